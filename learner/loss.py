@@ -1,0 +1,179 @@
+"""The GRPO loss (spec §4.3–4.8) and its metrics. Pure tensors: no Ray, no DeepSpeed.
+
+Shapes: B completions (rows) × T completion positions; `mask` is 1 on real completion tokens.
+Masked positions may hold anything (inf, NaN, 1e9): they are replaced before any arithmetic,
+so neither the value nor the gradient can see them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+LOG_RATIO_CLAMP = 20.0  # spec §4.4: |log-ratio| <= 20, so exp never overflows
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def _clean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    # where(), not multiplication: 0 * inf = NaN, and where's gradient to the dropped branch is 0.
+    return torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _check(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"tandem.learner.loss: {name} = {value!r}; allowed {', '.join(map(repr, allowed))}")
+
+
+def log_ratio(logp, old_logp, mask, importance_sampling_level="token"):
+    """[B, T] log importance ratio: per token, or the GSPO sequence mean broadcast to every token."""
+    _check("importance_sampling_level", importance_sampling_level, ("token", "sequence"))
+    m = mask.bool()
+    lr = (_clean(logp, m) - _clean(old_logp, m)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if importance_sampling_level == "sequence":
+        seq = (lr * m).sum(-1) / m.sum(-1).clamp(min=1)
+        lr = seq.unsqueeze(-1).expand_as(lr)
+    return lr
+
+
+def tis_weight(old_logp, sampler_logp, mask, cap, mode="token_truncate"):
+    """[B, T] detached truncated-importance-sampling weight from exp(old − sampler) (spec §4.6)."""
+    _check("tis_mode", mode, TIS_MODES)
+    if cap is None or cap <= 0:
+        raise ValueError(f"tandem.learner.loss: tis_cap = {cap!r}; must be a positive number")
+    m = mask.bool()
+    with torch.no_grad():
+        d = _clean(old_logp, m).float() - _clean(sampler_logp, m).float()
+        if mode.startswith("sequence"):
+            d = (d * m).sum(-1, keepdim=True).expand_as(d)
+        log_cap = math.log(cap)
+        w = torch.exp(d.clamp(max=log_cap))
+        if mode.endswith("mask"):
+            w = torch.where(d > log_cap, torch.zeros_like(w), w)
+    return w.to(old_logp.dtype)
+
+
+def k3_kl(logp, ref_logp, mask):
+    """[B, T] k3 estimator exp(ref − logp) − (ref − logp) − 1 (zero where masked)."""
+    m = mask.bool()
+    d = (_clean(ref_logp, m) - _clean(logp, m)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (torch.exp(d) - d - 1) * m
+
+
+def per_token_loss(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    *,
+    epsilon=0.2,
+    epsilon_high=None,
+    delta=None,
+    importance_sampling_level="token",
+    beta=0.0,
+    ref_logp=None,
+    sampler_logp=None,
+    tis_cap=None,
+    tis_mode="token_truncate",
+):
+    """[B, T] clipped surrogate (+ TIS, + beta·KL); zero where mask is 0."""
+    m = mask.bool()
+    eps_hi = epsilon if epsilon_high is None else epsilon_high
+    ratio = torch.exp(log_ratio(logp, old_logp, m, importance_sampling_level))
+    a = advantages.to(ratio.dtype).unsqueeze(-1)
+    unclipped = ratio if delta is None else ratio.clamp(max=delta)
+    clipped = ratio.clamp(1 - epsilon, 1 + eps_hi)
+    loss = -torch.minimum(unclipped * a, clipped * a)
+    if sampler_logp is not None and tis_cap is not None:
+        loss = loss * tis_weight(old_logp, sampler_logp, m, tis_cap, tis_mode)
+    if beta > 0:
+        if ref_logp is None:
+            raise ValueError("tandem.learner.loss.per_token_loss: beta > 0 needs ref_logp")
+        loss = loss + beta * k3_kl(logp, ref_logp, m)
+    return _clean(loss, m)
+
+
+def aggregate_loss(loss_per_token, mask, loss_type, *, max_completion_length=None, num_active_tokens=None):
+    """Scalar loss normalised per `loss_type` (spec §4.8); every denominator >= 1.
+
+    dapo: `num_active_tokens` is the active-token count of the whole optimizer step over all
+    ranks; None falls back to this micro-batch's count.
+    """
+    _check("loss_type", loss_type, LOSS_TYPES)
+    m = mask.to(loss_per_token.dtype)
+    total = (loss_per_token * m).sum()
+    if loss_type == "grpo":
+        per_seq = (loss_per_token * m).sum(-1) / m.sum(-1).clamp(min=1)
+        return per_seq.sum() / max(per_seq.numel(), 1)
+    if loss_type == "bnpo":
+        return total / m.sum().clamp(min=1)
+    if loss_type == "dr_grpo":
+        if max_completion_length is None or max_completion_length < 1:
+            raise ValueError(
+                f"aggregate_loss: loss_type 'dr_grpo' needs max_completion_length >= 1, got {max_completion_length!r}"
+            )
+        return total / max(loss_per_token.shape[0] * max_completion_length, 1)
+    n = m.sum() if num_active_tokens is None else torch.as_tensor(num_active_tokens, dtype=total.dtype)
+    return total / n.clamp(min=1)
+
+
+def _masked_mean(x, m):
+    return float((x * m).sum() / m.sum().clamp(min=1))
+
+
+@torch.no_grad()
+def loss_metrics(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    *,
+    epsilon=0.2,
+    epsilon_high=None,
+    importance_sampling_level="token",
+    ref_logp=None,
+    sampler_logp=None,
+    tis_cap=None,
+    tis_mode="token_truncate",
+    entropy=None,
+    logits=None,
+    temperature=1.0,
+) -> dict[str, float]:
+    """Spec §5 metrics of one micro-batch as plain floats (finite even when all-masked).
+
+    `entropy` [B, T] if the caller has it (fused kernels), else `logits` [B, T, V] to compute it.
+    `tokens` is the active-token count, the weight for averaging across micro-batches and ranks.
+    """
+    m = mask.bool()
+    mf = m.to(torch.float32)
+    eps_hi = epsilon if epsilon_high is None else epsilon_high
+    ratio = torch.exp(log_ratio(logp, old_logp, m, importance_sampling_level)).float()
+    a = advantages.float().unsqueeze(-1).expand_as(ratio)
+    low = (ratio < 1 - epsilon) & (a < 0)
+    high = (ratio > 1 + eps_hi) & (a > 0)
+    out = {
+        "tokens": float(mf.sum()),
+        "clip_ratio/low_mean": _masked_mean(low.float(), mf),
+        "clip_ratio/high_mean": _masked_mean(high.float(), mf),
+        "clip_ratio/region_mean": _masked_mean((low | high).float(), mf),
+    }
+    if ref_logp is not None:
+        out["kl"] = _masked_mean(k3_kl(logp.float(), ref_logp.float(), m), mf)
+    if sampler_logp is not None and tis_cap is not None:
+        w = tis_weight(old_logp.float(), sampler_logp.float(), m, tis_cap, tis_mode)
+        raw = _clean(old_logp.float(), m) - _clean(sampler_logp.float(), m)
+        if tis_mode.startswith("sequence"):
+            raw = (raw * m).sum(-1, keepdim=True).expand_as(raw)
+        any_tok = bool(m.any())
+        out["tis/weight_mean"] = _masked_mean(w, mf)
+        out["tis/weight_min"] = float(w[m].min()) if any_tok else 0.0
+        out["tis/weight_max"] = float(w[m].max()) if any_tok else 0.0
+        out["tis/capped_frac"] = _masked_mean((raw > math.log(tis_cap)).float(), mf)
+        out["tis/sampler_abs_diff_mean"] = _masked_mean(raw.abs(), mf)
+    if entropy is None and logits is not None:
+        lp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        entropy = -(lp.exp() * lp).sum(-1)
+    if entropy is not None:
+        out["entropy"] = _masked_mean(_clean(entropy.float(), m), mf)
+    return out

@@ -1,0 +1,111 @@
+"""`tandem`: plan | run | tiny-model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+import yaml
+from pydantic import ValidationError
+from tandem.services.config import (
+    BatchConfig,
+    ClusterConfig,
+    GRPOConfig,
+    JobConfig,
+    JobConfigError,
+    apply_override,
+    format_validation_error,
+    resolve_batch,
+)
+from tandem.services.plan import BatchPlan, arithmetic, table
+
+
+def load_plan(path: str, overrides: list[str]) -> BatchPlan:
+    """Only the batch-shaping sections are read, so a plan needs no model or data on disk."""
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise JobConfigError(f"job file {path!r}: {e.strerror}") from None
+    for item in overrides:
+        apply_override(data, item)
+    try:
+        batch = BatchConfig.model_validate(data.get("batch", {}))
+        grpo = GRPOConfig.model_validate({"num_iterations": data.get("grpo", {}).get("num_iterations", 1)})
+        cluster = ClusterConfig.model_validate(data.get("cluster", {}))
+        resolve_batch(batch, grpo.num_iterations, cluster.num_processes)
+    except ValidationError as e:
+        raise JobConfigError(format_validation_error(e)) from None
+    except ValueError as e:
+        raise JobConfigError(f"invalid job: {e}") from None
+    return BatchPlan(
+        per_device_train_batch_size=batch.per_device_train_batch_size,
+        gradient_accumulation_steps=batch.gradient_accumulation_steps,
+        steps_per_generation=batch.steps_per_generation,
+        num_generations=batch.num_generations,
+        num_processes=cluster.num_processes,
+        num_iterations=grpo.num_iterations,
+    )
+
+
+def cmd_plan(args) -> int:
+    plan = load_plan(args.job, args.set)
+    print("\n".join(arithmetic(plan)))
+    print()
+    print(table(plan, cycles=args.cycles))
+    return 0
+
+
+def cmd_run(args) -> int:
+    from tandem.services.run import run_job
+
+    cfg = JobConfig.from_yaml(args.job, args.set)
+    return run_job(cfg, address=args.address)
+
+
+def cmd_tiny_model(args) -> int:
+    from tandem.rollout.tiny_model import build_tiny_model
+
+    build_tiny_model(args.dir, layers=args.layers, hidden=args.hidden, vocab=args.vocab, seed=args.seed,
+                     tie_word_embeddings=args.tie)
+    print(f"wrote a random-init Qwen2-shaped model and tokenizer to {args.dir}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tandem", description="Distributed GRPO training on Ray + vLLM + DeepSpeed")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    sp = sub.add_parser("plan", help="print the batch arithmetic and the schedule of two generation cycles")
+    sp.add_argument("job")
+    sp.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    sp.add_argument("--cycles", type=int, default=2)
+    sp.set_defaults(fn=cmd_plan)
+
+    sr = sub.add_parser("run", help="run a job (embedded Ray unless --address)")
+    sr.add_argument("job")
+    sr.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    sr.add_argument("--address", default=None, help="Ray cluster address to join")
+    sr.set_defaults(fn=cmd_run)
+
+    st = sub.add_parser("tiny-model", help="write a tiny random-init model + local tokenizer")
+    st.add_argument("dir")
+    st.add_argument("--layers", type=int, default=2)
+    st.add_argument("--hidden", type=int, default=64)
+    st.add_argument("--vocab", type=int, default=512)
+    st.add_argument("--seed", type=int, default=0)
+    st.add_argument("--tie", action="store_true", help="tie lm_head to the embeddings")
+    st.set_defaults(fn=cmd_tiny_model)
+
+    args = p.parse_args(argv)
+    warnings.simplefilter("default")
+    try:
+        return args.fn(args)
+    except JobConfigError as e:
+        print(f"tandem: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,452 @@
+"""The job description: every GRPO parameter with the exact name and default of spec/GRPO.md.
+
+Light on purpose (pydantic + yaml only): rollout, learner and the CLI all import it. Every
+invalid value is refused when the job is loaded, with one message naming the field path, the
+value and what is allowed. The one documented auto-adjustment (per_device_train_batch_size
+raised to num_generations) warns loudly.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class JobConfigError(ValueError):
+    """A job file or override that cannot be run; the message names field, value and what is allowed."""
+
+
+class JobConfigWarning(UserWarning):
+    """A job that runs, but not the way a user may expect (spec's documented adjustments)."""
+
+
+class _Section(BaseModel):
+    # Typos in a job file are errors, not silently ignored keys.
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+# ---------------------------------------------------------------------------------------- model
+
+
+class LoraConfig(_Section):
+    """LoRA adapter (peft names); the learner trains it and publishes it to the rollout engines."""
+
+    r: int = Field(16, ge=1, le=1024, description="adapter rank")
+    lora_alpha: float = Field(16, gt=0, description="scaling numerator: scale = lora_alpha / r")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="module names the adapter wraps",
+    )
+
+
+class ModelConfig(_Section):
+    path: str = Field(description="local directory of a transformers causal LM (config.json inside)")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="training/inference precision; float16 needs CUDA (loss scaling)"
+    )
+    lora: LoraConfig | None = Field(
+        default_factory=LoraConfig, description="LoRA block; null = full fine-tuning"
+    )
+    fast_inference: bool = Field(True, description="True: vLLM samples; False: transformers generate")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
+
+    @field_validator("path")
+    @classmethod
+    def _model_dir_exists(cls, v: str) -> str:
+        if not (Path(v) / "config.json").is_file():
+            raise ValueError(f"model.path = {v!r}: no config.json there; give a local model directory")
+        return v
+
+
+# ----------------------------------------------------------------------------------------- data
+
+
+class DataConfig(_Section):
+    path: str = Field(description="jsonl/json/parquet file or a saved Hugging Face dataset directory")
+    prompt_column: str = Field(
+        "prompt", description="column with the prompt: a string, or a list of chat messages"
+    )
+    shuffle: bool = Field(True, description="seeded shuffle of the prompt order each epoch")
+    truncate_long_prompts: bool = Field(
+        False, description="left-truncate prompts over max_prompt_length instead of refusing them"
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _data_exists(cls, v: str) -> str:
+        p = Path(v)
+        if not p.exists():
+            raise ValueError(f"data.path = {v!r}: no such file or directory")
+        if p.is_file() and p.suffix not in (".jsonl", ".json", ".parquet"):
+            raise ValueError(f"data.path = {v!r}: file type {p.suffix!r} not supported; allowed .jsonl .json .parquet")
+        return v
+
+
+# ----------------------------------------------------------------------------------- generation
+
+
+class GenerationConfig(_Section):
+    """Sampling parameters (spec §2), the same on the vLLM and transformers engines."""
+
+    temperature: float = Field(1.0, gt=0, le=100, description="sampling temperature; log-probs use it too")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass, in (0, 1]")
+    top_k: int | None = Field(None, ge=1, description="keep the k most likely tokens; null = off")
+    min_p: float | None = Field(None, ge=0, le=1, description="min prob relative to the top token's; null = off")
+    repetition_penalty: float = Field(1.0, gt=0, le=10, description=">1 discourages repeated tokens")
+    max_prompt_length: int = Field(512, ge=1, description="longest prompt in tokens")
+    max_completion_length: int = Field(256, ge=1, description="longest completion in tokens")
+
+
+# ---------------------------------------------------------------------------------------- batch
+
+
+class BatchConfig(_Section):
+    """Batch arithmetic (spec §3); `tandem plan` prints what it means."""
+
+    per_device_train_batch_size: int = Field(8, ge=1, description="samples per process per micro-step")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="micro-steps per optimizer step")
+    steps_per_generation: int | None = Field(
+        None, ge=1, description="micro-steps fed by one generation batch; null = gradient_accumulation_steps"
+    )
+    num_generations: int = Field(8, ge=2, description="completions per prompt (the group); 2 warns")
+    max_steps: int = Field(-1, ge=-1, description="optimizer steps to run; -1 = num_train_epochs over the data")
+    num_train_epochs: float = Field(3.0, gt=0, description="passes over the prompts when max_steps = -1")
+
+
+# ----------------------------------------------------------------------------------------- grpo
+
+
+class GRPOConfig(_Section):
+    """The loss (spec §1, §4)."""
+
+    beta: float = Field(0.0, ge=0, description="KL coefficient; 0 = no reference model")
+    num_iterations: int = Field(1, ge=1, description="PPO epochs per generation batch (mu)")
+    epsilon: float = Field(0.2, gt=0, lt=1, description="lower clip: ratio >= 1 - epsilon")
+    epsilon_high: float | None = Field(None, gt=0, description="upper clip; null = epsilon")
+    delta: float | None = Field(None, gt=1, description="two-sided GRPO cap on the unclipped ratio; null = off")
+    importance_sampling_level: Literal["token", "sequence"] = Field("token", description="token or GSPO")
+    reward_weights: list[float] | None = Field(None, description="one weight per reward function")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="advantage scaling: group std, batch std, or none (True/False accepted)"
+    )
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = Field("dapo", description="normalisation (§4.8)")
+    mask_truncated_completions: bool = Field(False, description="truncated completions leave the loss")
+    vllm_importance_sampling_correction: bool | None = Field(
+        None, description="TIS; null = on exactly when vLLM samples (model.fast_inference)"
+    )
+    vllm_importance_sampling_cap: float = Field(2.0, gt=0, description="TIS truncation C")
+    vllm_importance_sampling_mode: Literal[
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = Field("token_truncate", description="TIS variant (TRL's names)")
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _bool_aliases(cls, v: Any) -> Any:
+        if v is True:
+            return "group"
+        if v is False:
+            return "none"
+        return v
+
+    @model_validator(mode="after")
+    def _clip_order(self) -> GRPOConfig:
+        hi = self.epsilon_high if self.epsilon_high is not None else self.epsilon
+        if self.delta is not None and self.delta <= 1 + hi:
+            warnings.warn(
+                f"grpo.delta = {self.delta} <= 1 + epsilon_high = {1 + hi}: the cap binds inside the clip "
+                "region; INTELLECT-2 recommends delta > 1 + epsilon",
+                JobConfigWarning,
+                stacklevel=2,
+            )
+        return self
+
+
+# ------------------------------------------------------------------------------------ optimizer
+
+
+class OptimizerConfig(_Section):
+    learning_rate: float = Field(1e-6, gt=0, le=1, description="peak learning rate (AdamW)")
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    adam_epsilon: float = Field(1e-8, gt=0, le=1)
+    warmup_ratio: float = Field(0.0, ge=0, le=1, description="fraction of optimizer steps warming up")
+    warmup_steps: int = Field(0, ge=0, description="warm-up steps; overrides warmup_ratio when > 0")
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    max_grad_norm: float = Field(1.0, ge=0, description="clip the global grad norm; 0 = off")
+
+
+# -------------------------------------------------------------------------------------- cluster
+
+
+class Resources(_Section):
+    """What one actor asks Ray for, so an autoscaler can place rollout and learner separately."""
+
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources")
+
+
+class ClusterConfig(_Section):
+    num_rollout_workers: int = Field(1, ge=1, description="RolloutWorker actors")
+    rollout_resources: Resources = Field(default_factory=Resources)
+    num_processes: int = Field(1, ge=1, description="learner processes (one DeepSpeed rank each)")
+    learner_resources: Resources = Field(default_factory=Resources)
+    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage")
+    max_staleness: int = Field(0, ge=0, le=16, description="policy versions a group may lag; 0 = synchronous")
+    address: str | None = Field(None, description="Ray address to join; null = embedded Ray")
+
+
+class CheckpointConfig(_Section):
+    dir: str | None = Field(None, description="checkpoint directory; null = <output_dir>/checkpoints")
+    save_steps: int = Field(0, ge=0, description="save every N optimizer steps; 0 = only at the end")
+    save_total_limit: int = Field(2, ge=1, description="checkpoints kept")
+    resume: bool = Field(False, description="continue from the newest complete checkpoint")
+
+
+class LoggingConfig(_Section):
+    output_dir: str = Field("runs/tandem", description="run directory: metrics.jsonl, plot, checkpoints")
+    logging_steps: int = Field(1, ge=1)
+    progress: bool = Field(True, description="progress bar on the terminal")
+
+
+# ------------------------------------------------------------------------------------------ job
+
+
+class JobConfig(_Section):
+    model: ModelConfig
+    data: DataConfig
+    rewards: list[str] = Field(min_length=1, description="reward functions: module:function or file.py:function")
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    seed: int = Field(42, ge=0, le=2**32 - 1)
+
+    @field_validator("rewards")
+    @classmethod
+    def _rewards_import(cls, v: list[str]) -> list[str]:
+        for i, spec in enumerate(v):
+            try:
+                load_function(spec)
+            except Exception as e:  # noqa: BLE001 - the message is the point
+                raise ValueError(f"rewards[{i}] = {spec!r}: {e}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> JobConfig:
+        g, b, c = self.grpo, self.batch, self.cluster
+        if g.reward_weights is not None and len(g.reward_weights) != len(self.rewards):
+            raise ValueError(
+                f"grpo.reward_weights = {g.reward_weights}: {len(g.reward_weights)} weights for "
+                f"{len(self.rewards)} reward functions; give one per function or null"
+            )
+        if g.vllm_importance_sampling_correction is None:
+            g.vllm_importance_sampling_correction = self.model.fast_inference
+        if g.epsilon_high is not None and g.epsilon_high < g.epsilon:
+            raise ValueError(
+                f"grpo.epsilon_high = {g.epsilon_high}: must be >= grpo.epsilon = {g.epsilon} (or null)"
+            )
+        if self.model.dtype == "float16" and not _cuda_available():
+            raise ValueError(
+                "model.dtype = 'float16': needs CUDA (DeepSpeed refuses fp16 on CPU); use 'bfloat16' or 'float32'"
+            )
+        if b.num_generations == 2:
+            warnings.warn(
+                "batch.num_generations = 2: allowed, but GRPO needs > 2 completions per prompt to work well",
+                JobConfigWarning,
+                stacklevel=2,
+            )
+        resolve_batch(b, g.num_iterations, c.num_processes)
+        return self
+
+    # --------------------------------------------------------------------------------- loading
+
+    @property
+    def tis(self) -> bool:
+        return bool(self.grpo.vllm_importance_sampling_correction)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.logging.output_dir, "checkpoints")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], overrides: list[str] | None = None) -> JobConfig:
+        data = _deep_copy(data)
+        for item in overrides or []:
+            apply_override(data, item)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                cfg = cls.model_validate(data)
+        except ValidationError as e:
+            raise JobConfigError(format_validation_error(e)) from None
+        for w in caught:  # re-issue once, outside pydantic's frames
+            warnings.warn(w.message, w.category, stacklevel=2)
+        return cfg
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | None = None) -> JobConfig:
+        p = Path(path)
+        if not p.is_file():
+            raise JobConfigError(f"job file {str(p)!r}: not found")
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise JobConfigError(f"job file {str(p)!r}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise JobConfigError(f"job file {str(p)!r}: must be a mapping of sections, got {type(data).__name__}")
+        return cls.from_dict(data, overrides)
+
+    @classmethod
+    def from_trl(cls, flat: dict[str, Any], **sections: Any) -> JobConfig:
+        """A flat TRL/Unsloth GRPOConfig-style dict (plus model/data/rewards sections) as a job."""
+        from tandem.services.trl_compat import trl_to_sections
+
+        data = trl_to_sections(flat)
+        for name, value in sections.items():
+            data.setdefault(name, {})
+            if isinstance(value, dict) and isinstance(data[name], dict):
+                data[name].update(value)
+            else:
+                data[name] = value
+        return cls.from_dict(data)
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def resolve_batch(b: BatchConfig, num_iterations: int, num_processes: int) -> None:
+    """Spec §3 checks; fills steps_per_generation and applies the one documented adjustment."""
+    if b.steps_per_generation is None:
+        b.steps_per_generation = b.gradient_accumulation_steps
+    G, nproc, per = b.num_generations, num_processes, b.per_device_train_batch_size
+    ebs = b.steps_per_generation * nproc * per
+    if ebs % G:
+        if per < G:
+            warnings.warn(
+                f"batch.per_device_train_batch_size = {per} raised to num_generations = {G}: "
+                f"effective_batch_size {ebs} was not divisible by {G} (spec §3)",
+                JobConfigWarning,
+                stacklevel=3,
+            )
+            b.per_device_train_batch_size = per = G
+        else:
+            near_b = sorted(
+                (x for x in range(1, 4 * per + G + 1) if (b.steps_per_generation * nproc * x) % G == 0),
+                key=lambda x: (abs(x - per), x),
+            )[:2]
+            near_s = sorted(
+                (s for s in range(1, 4 * b.steps_per_generation + G + 1)
+                 if (s * nproc * per) % G == 0 and (s * num_iterations) % b.gradient_accumulation_steps == 0),
+                key=lambda s: (abs(s - b.steps_per_generation), s),
+            )[:1]
+            raise ValueError(
+                f"effective_batch_size = steps_per_generation × num_processes × per_device_train_batch_size = "
+                f"{b.steps_per_generation} × {nproc} × {per} = {ebs} is not divisible by batch.num_generations = "
+                f"{G}; try batch.per_device_train_batch_size in {near_b} or batch.steps_per_generation in {near_s}"
+            )
+    if (b.steps_per_generation * num_iterations) % b.gradient_accumulation_steps:
+        raise ValueError(
+            f"batch.steps_per_generation × grpo.num_iterations = {b.steps_per_generation} × {num_iterations} "
+            f"is not a multiple of batch.gradient_accumulation_steps = {b.gradient_accumulation_steps}: "
+            "every generation cycle must hold whole optimizer steps"
+        )
+
+
+def _cuda_available() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch  # only reached when someone asks for float16
+
+    return torch.cuda.is_available()
+
+
+def _deep_copy(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _deep_copy(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_deep_copy(v) for v in d]
+    return d
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """`grpo.beta=0.04`: the value is parsed as YAML (numbers, true/false, null, lists)."""
+    if "=" not in item:
+        raise JobConfigError(f"--set {item!r}: expected section.field=value, e.g. grpo.beta=0.04")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise JobConfigError(f"--set {item!r}: empty name in {key!r}")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    node = data
+    for part in parts[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise JobConfigError(f"--set {item!r}: {part!r} is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def format_validation_error(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "value_error":  # our own validators already name field and value
+            lines.append(msg)
+        elif err["type"] == "missing":
+            lines.append(f"{loc}: required field missing")
+        elif err["type"] == "extra_forbidden":
+            lines.append(f"{loc}: unknown field (value {err['input']!r}); check the spelling against the reference")
+        else:
+            allowed = msg.removeprefix("Input should be ")
+            lines.append(f"{loc} = {err['input']!r}: must be {allowed}")
+    return "invalid job: " + "; ".join(lines)
+
+
+def load_function(spec: str):
+    """`package.module:function` or `path/to/file.py:function` -> the callable."""
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError("expected 'module:function' or 'path/to/file.py:function'")
+    target, name = spec.rsplit(":", 1)
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise ValueError(f"file {target!r} not found")
+        mod_name = f"tandem_user_{path.stem}_{abs(hash(str(path.resolve())))}"
+        mod = sys.modules.get(mod_name)
+        if mod is None:
+            s = importlib.util.spec_from_file_location(mod_name, path)
+            mod = importlib.util.module_from_spec(s)
+            sys.modules[mod_name] = mod
+            try:
+                s.loader.exec_module(mod)
+            except Exception as e:
+                del sys.modules[mod_name]
+                raise ValueError(f"importing {target!r} failed: {type(e).__name__}: {e}") from None
+    else:
+        try:
+            mod = importlib.import_module(target)
+        except Exception as e:
+            raise ValueError(f"cannot import module {target!r}: {type(e).__name__}: {e}") from None
+    fn = getattr(mod, name, None)
+    if fn is None or not callable(fn):
+        raise ValueError(f"{target!r} has no function {name!r}")
+    return fn

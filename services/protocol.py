@@ -1,0 +1,73 @@
+"""Wire types between controller, rollout workers and learner. numpy only: cheap to pickle,
+no Python object per token (Ray's object store keeps numpy arrays zero-copy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class PromptItem:
+    """One prompt handed to a rollout worker."""
+
+    group_id: int  # unique per hand-out: a re-queued prompt gets a new one
+    index: int  # dataset row
+    prompt_ids: np.ndarray  # int32 [P], chat template already applied
+    prompt: Any  # the prompt as the data has it (text or chat messages), for reward functions
+    columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns
+    queued_at: float = 0.0  # time.time() when handed out
+
+
+@dataclass
+class RolloutGroup:
+    """All `num_generations` completions of one prompt, sampled by one engine call."""
+
+    group_id: int
+    index: int
+    prompt_ids: np.ndarray  # int32 [P]
+    tokens: np.ndarray  # int32 [sum of completion lengths], completions back to back
+    offsets: np.ndarray  # int64 [G + 1]: completion g is tokens[offsets[g]:offsets[g+1]]
+    sampler_logprobs: np.ndarray  # float32, aligned with tokens: the sampler's processed log-prob
+    eos: np.ndarray  # bool [G]: finished by EOS (False = truncated at max_completion_length)
+    rewards: np.ndarray  # float32 [G, F]: one column per reward function, NaN where it returned None
+    version: int  # policy version (published adapter count) the engine sampled with
+    worker: int = -1
+    timings: dict[str, float] = field(default_factory=dict)  # queue_s, generate_s, score_s
+    columns: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_generations(self) -> int:
+        return len(self.offsets) - 1
+
+    def completion(self, g: int) -> np.ndarray:
+        return self.tokens[self.offsets[g] : self.offsets[g + 1]]
+
+    def completion_logprobs(self, g: int) -> np.ndarray:
+        return self.sampler_logprobs[self.offsets[g] : self.offsets[g + 1]]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+@dataclass
+class RolloutFailure:
+    """A prompt that could not become a group (reward function raised, bad output...).
+
+    Reported, never silently dropped: the controller re-queues or records it."""
+
+    group_id: int
+    index: int
+    message: str  # names the function and the dataset row
+    worker: int = -1
+    retryable: bool = True
+
+
+def pack_completions(completions: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    offsets = np.zeros(len(completions) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(c) for c in completions])
+    flat = np.concatenate(completions) if completions else np.zeros(0)
+    return flat, offsets

@@ -1,0 +1,127 @@
+"""Flat TRL/Unsloth `GRPOConfig` names -> Tandem job sections.
+
+Known names map onto our fields; names that would change training and that we do not
+support are one error listing them all (unless set to their neutral value); cosmetic names
+(logging, hub, reporting) are ignored with a warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+# TRL name -> (section, field). Same leaf name unless stated.
+_SECTION_OF = {
+    "generation": ["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_prompt_length",
+                   "max_completion_length"],
+    "batch": ["per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
+              "num_generations", "max_steps", "num_train_epochs"],
+    "grpo": ["beta", "num_iterations", "epsilon", "epsilon_high", "delta", "importance_sampling_level",
+             "reward_weights", "scale_rewards", "loss_type", "mask_truncated_completions",
+             "vllm_importance_sampling_correction", "vllm_importance_sampling_cap",
+             "vllm_importance_sampling_mode"],
+    "optimizer": ["learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "warmup_ratio",
+                  "warmup_steps", "lr_scheduler_type", "max_grad_norm"],
+    "checkpoint": ["save_steps", "save_total_limit"],
+    "logging": ["output_dir", "logging_steps"],
+}
+KNOWN: dict[str, tuple[str, str]] = {name: (sec, name) for sec, names in _SECTION_OF.items() for name in names}
+KNOWN.update({
+    "train_batch_size": ("batch", "per_device_train_batch_size"),  # the seed's name
+    "use_vllm": ("model", "fast_inference"),
+    "gradient_checkpointing": ("model", "gradient_checkpointing"),
+    "seed": ("", "seed"),
+})
+
+# Names that change training; accepted only at the value that leaves training unchanged.
+UNSUPPORTED_NEUTRAL: dict[str, Any] = {
+    "top_entropy_quantile": 1.0,
+    "sync_ref_model": False,
+    "use_liger_loss": False,
+    "cast_lm_head_to_fp32": False,
+    "generation_kwargs": None,
+    "label_smoothing_factor": 0.0,
+    "disable_dropout": False,
+    "shuffle_dataset": True,
+    "mask_truncated": None,
+    "vllm_importance_sampling_min": None,
+    "off_policy_mask_threshold": None,
+    "use_bias_correction_kl": False,
+    "ref_model_mixup_alpha": None,
+    "ref_model_sync_steps": None,
+    "num_processes": 1,
+    "gradient_accumulation": None,
+    "lr_scheduler_kwargs": None,
+    "max_grad_value": None,
+    "tf32": None,
+}
+
+COSMETIC = {
+    "report_to", "logging_dir", "run_name", "logging_first_step", "logging_strategy", "log_level",
+    "push_to_hub", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "disable_tqdm",
+    "log_completions", "num_completions_to_print", "wandb_log_unique_prompts", "dataloader_num_workers",
+    "dataloader_pin_memory", "remove_unused_columns", "overwrite_output_dir", "save_strategy",
+    "eval_strategy", "evaluation_strategy", "per_device_eval_batch_size", "do_eval", "do_train",
+    "eval_steps", "vllm_mode", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
+    "vllm_server_host", "vllm_server_port", "vllm_server_base_url", "vllm_server_timeout",
+    "ds3_gather_for_generation", "include_tokens_per_second", "save_only_model", "save_safetensors",
+    "torch_compile", "unsloth_num_chunks", "bf16_full_eval", "fp16_full_eval", "log_on_each_node",
+    "logging_nan_inf_filter", "optim_target_modules",
+}
+
+_ADAMW = {"adamw_torch", "adamw_torch_fused", "adamw_hf"}
+_ADAMW_8BIT = {"adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adamw_bnb_8bit"}
+
+
+def trl_to_sections(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    unsupported: list[str] = []
+    ignored: list[str] = []
+
+    def put(section: str, field: str, value: Any) -> None:
+        if section:
+            out.setdefault(section, {})[field] = value
+        else:
+            out[field] = value
+
+    for name, value in flat.items():
+        if name in KNOWN:
+            put(*KNOWN[name], value)
+        elif name in ("bf16", "fp16"):
+            if value:
+                put("model", "dtype", "bfloat16" if name == "bf16" else "float16")
+        elif name == "optim":
+            if value in _ADAMW_8BIT:
+                warnings.warn(f"optim = {value!r}: Tandem runs 32-bit AdamW (same update, more memory)",
+                              UserWarning, stacklevel=3)
+            elif value not in _ADAMW:
+                unsupported.append(f"optim={value!r} (allowed: {sorted(_ADAMW | _ADAMW_8BIT)})")
+        elif name == "generation_batch_size":
+            if value is not None:
+                out["_generation_batch_size"] = value
+        elif name in UNSUPPORTED_NEUTRAL:
+            if value != UNSUPPORTED_NEUTRAL[name]:
+                unsupported.append(f"{name}={value!r}")
+        elif name in COSMETIC:
+            ignored.append(name)
+        else:
+            unsupported.append(f"{name}={value!r} (unknown GRPOConfig name)")
+    if unsupported:
+        from tandem.services.config import JobConfigError
+
+        raise JobConfigError("TRL config: not supported by Tandem (they change training): " + ", ".join(unsupported))
+    if ignored:
+        warnings.warn(f"TRL config: ignored (no effect on training): {', '.join(sorted(ignored))}",
+                      UserWarning, stacklevel=3)
+    gbs = out.pop("_generation_batch_size", None)
+    if gbs is not None:
+        b = out.setdefault("batch", {})
+        per = b.get("per_device_train_batch_size", 8)
+        if gbs % per:
+            from tandem.services.config import JobConfigError
+
+            raise JobConfigError(
+                f"TRL config: generation_batch_size = {gbs} is not a multiple of per_device_train_batch_size = {per}"
+            )
+        b["steps_per_generation"] = gbs // per
+    return out

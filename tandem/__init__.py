@@ -1,0 +1,1 @@
+"""Tandem: distributed GRPO training."""

@@ -1,0 +1,207 @@
+"""Job config: spec names and defaults, validation messages, overrides, TRL mapping."""
+
+import copy
+import warnings
+
+import pytest
+import yaml
+from tandem.services.config import JobConfig, JobConfigError, JobConfigWarning
+
+
+def load(d, overrides=None):
+    return JobConfig.from_dict(d, overrides)
+
+
+def test_spec_defaults(job_files):
+    cfg = load(job_files)
+    g, gen, b = cfg.grpo, cfg.generation, cfg.batch
+    assert (g.beta, g.num_iterations, g.epsilon, g.epsilon_high, g.delta) == (0.0, 1, 0.2, None, None)
+    assert g.importance_sampling_level == "token" and g.reward_weights is None
+    assert g.scale_rewards == "group" and g.loss_type == "dapo" and g.mask_truncated_completions is False
+    assert g.vllm_importance_sampling_cap == 2.0
+    assert (gen.temperature, gen.top_p, gen.top_k, gen.min_p, gen.repetition_penalty) == (1.0, 1.0, None, None, 1.0)
+    # steps_per_generation None => gradient_accumulation_steps
+    assert b.steps_per_generation == b.gradient_accumulation_steps
+    assert cfg.model.fast_inference is True
+
+
+def test_tis_default_follows_engine(job_files):
+    assert load(job_files).grpo.vllm_importance_sampling_correction is True
+    d = copy.deepcopy(job_files)
+    d["model"]["fast_inference"] = False
+    assert load(d).grpo.vllm_importance_sampling_correction is False
+    d["grpo"] = {"vllm_importance_sampling_correction": True}
+    assert load(d).grpo.vllm_importance_sampling_correction is True
+
+
+@pytest.mark.parametrize("value,expected", [(True, "group"), (False, "none"), ("batch", "batch")])
+def test_scale_rewards_aliases(job_files, value, expected):
+    assert load(job_files, [f"grpo.scale_rewards={str(value).lower() if isinstance(value, bool) else value}"]
+                ).grpo.scale_rewards == expected
+
+
+def test_overrides_and_yaml(job_files, tmp_path):
+    p = tmp_path / "job.yaml"
+    p.write_text(yaml.safe_dump(job_files))
+    cfg = JobConfig.from_yaml(p, ["grpo.beta=0.04", "generation.top_k=5", "grpo.epsilon_high=0.28"])
+    assert cfg.grpo.beta == 0.04 and cfg.generation.top_k == 5 and cfg.grpo.epsilon_high == 0.28
+    with pytest.raises(JobConfigError, match="grpo.beta"):
+        JobConfig.from_yaml(p, ["grpo.beta=-1"])
+    with pytest.raises(JobConfigError, match="expected section.field=value"):
+        JobConfig.from_yaml(p, ["grpo.beta"])
+
+
+def test_num_generations_two_warns(job_files):
+    with pytest.warns(JobConfigWarning, match="num_generations = 2"):
+        load(job_files, ["batch.num_generations=2", "batch.per_device_train_batch_size=2"])
+
+
+def test_batch_raised_to_num_generations(job_files):
+    # 1 × 1 × 3 = 3 not divisible by 4 and 3 < 4 => raised to 4 with a warning
+    with pytest.warns(JobConfigWarning, match="raised to num_generations = 4"):
+        cfg = load(job_files, ["batch.num_generations=4", "batch.per_device_train_batch_size=3"])
+    assert cfg.batch.per_device_train_batch_size == 4
+
+
+def test_seed_example_3_keeps_three(job_files):
+    # 4 × 1 × 3 = 12 divisible by 4: stays 3 (spec §3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load(job_files, ["batch.num_generations=4", "batch.per_device_train_batch_size=3",
+                               "batch.gradient_accumulation_steps=4"])
+    assert cfg.batch.per_device_train_batch_size == 3
+
+
+def test_not_divisible_proposes(job_files):
+    with pytest.raises(JobConfigError, match=r"try batch.per_device_train_batch_size in \[6, 3\]"):
+        load(job_files, ["batch.num_generations=3", "batch.per_device_train_batch_size=5"])
+
+
+def test_delta_warning(job_files):
+    with pytest.warns(JobConfigWarning, match="delta"):
+        load(job_files, ["grpo.delta=1.1"])
+
+
+# 30 invalid jobs: (override or mutation, text the message must contain)
+INVALID = [
+    ("grpo.beta=-0.1", "grpo.beta"),
+    ("grpo.num_iterations=0", "grpo.num_iterations"),
+    ("grpo.epsilon=0", "grpo.epsilon"),
+    ("grpo.epsilon=1.5", "grpo.epsilon"),
+    ("grpo.epsilon_high=0.1", "grpo.epsilon_high"),
+    ("grpo.delta=0.5", "grpo.delta"),
+    ("grpo.importance_sampling_level=tokens", "grpo.importance_sampling_level"),
+    ("grpo.scale_rewards=mean", "grpo.scale_rewards"),
+    ("grpo.loss_type=ppo", "grpo.loss_type"),
+    ("grpo.vllm_importance_sampling_cap=0", "grpo.vllm_importance_sampling_cap"),
+    ("grpo.vllm_importance_sampling_mode=clip", "grpo.vllm_importance_sampling_mode"),
+    ("grpo.reward_weights=[1.0, 2.0]", "grpo.reward_weights"),
+    ("generation.temperature=0", "generation.temperature"),
+    ("generation.top_p=0", "generation.top_p"),
+    ("generation.top_p=1.5", "generation.top_p"),
+    ("generation.top_k=0", "generation.top_k"),
+    ("generation.min_p=2", "generation.min_p"),
+    ("generation.repetition_penalty=0", "generation.repetition_penalty"),
+    ("generation.max_completion_length=0", "generation.max_completion_length"),
+    ("generation.max_prompt_length=-3", "generation.max_prompt_length"),
+    ("batch.num_generations=1", "batch.num_generations"),
+    ("batch.per_device_train_batch_size=0", "batch.per_device_train_batch_size"),
+    ("batch.gradient_accumulation_steps=0", "batch.gradient_accumulation_steps"),
+    ("batch.steps_per_generation=3", "gradient_accumulation_steps"),  # with GA=2 below
+    ("optimizer.learning_rate=0", "optimizer.learning_rate"),
+    ("optimizer.adam_beta2=1.0", "optimizer.adam_beta2"),
+    ("optimizer.lr_scheduler_type=step", "optimizer.lr_scheduler_type"),
+    ("cluster.zero_stage=4", "cluster.zero_stage"),
+    ("cluster.num_processes=0", "cluster.num_processes"),
+    ("cluster.max_staleness=-1", "cluster.max_staleness"),
+    ("model.dtype=float64", "model.dtype"),
+    ("model.lora.r=0", "model.lora.r"),
+    ("model.lora.lora_dropout=1", "model.lora.lora_dropout"),
+    ("model.path=/nonexistent/model", "model.path"),
+    ("data.path=/nonexistent/data.jsonl", "data.path"),
+    ("rewards=['nosuchmodule_xyz:fn']", "rewards[0]"),
+    ("rewards=['math:nosuchfunction']", "rewards[0]"),
+    ("rewards=['no_colon']", "rewards[0]"),
+    ("grpo.bta=0.1", "grpo.bta"),
+    ("seed=-1", "seed"),
+    ("checkpoint.save_total_limit=0", "checkpoint.save_total_limit"),
+]
+
+
+@pytest.mark.parametrize("override,field", INVALID, ids=[o for o, _ in INVALID])
+def test_invalid_job_file_named(job_files, tmp_path, override, field):
+    d = copy.deepcopy(job_files)
+    d["batch"] = {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 8}
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(d))
+    with pytest.raises(JobConfigError) as e:
+        JobConfig.from_yaml(p, [override])
+    msg = str(e.value)
+    assert field in msg, msg
+    value = override.split("=", 1)[1].strip("[]'")
+    if field != "gradient_accumulation_steps":  # the cross-field message names both values instead
+        assert value.split(",")[0].strip("'") in msg, msg
+
+
+def test_float16_on_cpu_refused(job_files):
+    import torch
+
+    if torch.cuda.is_available():
+        assert load(job_files, ["model.dtype=float16"]).model.dtype == "float16"
+    else:
+        with pytest.raises(JobConfigError, match="model.dtype = 'float16'.*needs CUDA"):
+            load(job_files, ["model.dtype=float16"])
+
+
+def test_not_a_mapping(tmp_path):
+    p = tmp_path / "j.yaml"
+    p.write_text("- a\n- b\n")
+    with pytest.raises(JobConfigError, match="must be a mapping"):
+        JobConfig.from_yaml(p)
+    with pytest.raises(JobConfigError, match="not found"):
+        JobConfig.from_yaml(tmp_path / "missing.yaml")
+
+
+UNSLOTH_SEED = dict(
+    learning_rate=5e-6, adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.1, warmup_ratio=0.1,
+    lr_scheduler_type="cosine", optim="adamw_torch", logging_steps=1, per_device_train_batch_size=3,
+    gradient_accumulation_steps=4, num_generations=4, max_prompt_length=256, max_completion_length=200,
+    max_steps=250, save_steps=250, max_grad_norm=0.1, report_to="none", output_dir="outputs",
+    beta=0.04, num_iterations=2, epsilon=0.2, epsilon_high=0.28, delta=1.5, importance_sampling_level="sequence",
+    scale_rewards="batch", loss_type="dr_grpo", mask_truncated_completions=True,
+    vllm_importance_sampling_correction=True, vllm_importance_sampling_cap=2.0, temperature=1.0, top_p=0.95,
+    top_k=50, min_p=0.1, repetition_penalty=1.1, steps_per_generation=4, bf16=True, seed=3407,
+    reward_weights=[1.0],
+)
+
+
+def test_from_trl_maps_seed_parameters(job_files):
+    with pytest.warns(UserWarning, match="report_to"):
+        cfg = JobConfig.from_trl(UNSLOTH_SEED, model={**job_files["model"], "dtype": "bfloat16"},
+                                 data=job_files["data"], rewards=job_files["rewards"])
+    by_section = {
+        "grpo": cfg.grpo, "generation": cfg.generation, "batch": cfg.batch, "optimizer": cfg.optimizer,
+    }
+    from tandem.services.trl_compat import KNOWN
+
+    for name, value in UNSLOTH_SEED.items():
+        if name in KNOWN:
+            section, field = KNOWN[name]
+            obj = by_section.get(section) or (cfg.checkpoint if section == "checkpoint" else
+                                              cfg.logging if section == "logging" else cfg)
+            assert getattr(obj, field) == value, name
+    assert cfg.model.dtype == "bfloat16" and cfg.seed == 3407
+
+
+def test_from_trl_unsupported_listed(job_files):
+    bad = {**UNSLOTH_SEED, "top_entropy_quantile": 0.2, "sync_ref_model": True, "frobnicate": 1}
+    with pytest.raises(JobConfigError) as e:
+        JobConfig.from_trl(bad, **job_files)
+    for name in ("top_entropy_quantile", "sync_ref_model", "frobnicate"):
+        assert name in str(e.value)
+
+
+def test_from_trl_generation_batch_size(job_files):
+    cfg = JobConfig.from_trl({"per_device_train_batch_size": 4, "generation_batch_size": 16,
+                              "gradient_accumulation_steps": 2, "num_generations": 4}, **job_files)
+    assert cfg.batch.steps_per_generation == 4
