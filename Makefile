@@ -26,7 +26,7 @@ unit: install
 	$(BIN)/python -m pytest -q -m "not integration" tests
 
 lint: install
-	$(BIN)/ruff check services learner rollout kernels tests bench examples
+	$(BIN)/ruff check --output-format concise services learner rollout kernels tests bench examples
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -44,7 +44,8 @@ def tis_weight(old_logp, sampler_logp, mask, cap, mode="token_truncate"):
         raise ValueError(f"tandem.learner.loss: tis_cap = {cap!r}; must be a positive number")
     m = mask.bool()
     with torch.no_grad():
-        d = _clean(old_logp, m).float() - _clean(sampler_logp, m).float()
+        dt = torch.promote_types(old_logp.dtype, torch.float32)  # never below float32
+        d = _clean(old_logp, m).to(dt) - _clean(sampler_logp, m).to(dt)
         if mode.startswith("sequence"):
             d = (d * m).sum(-1, keepdim=True).expand_as(d)
         log_cap = math.log(cap)
