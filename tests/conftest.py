@@ -29,3 +29,53 @@ def job_files(tmp_path):
         "data": {"path": str(data)},
         "rewards": [f"{rew}:r1"],
     }
+
+
+def pytest_collection_modifyitems(config, items):
+    # Integration tests after the fast unit tests, so a broken unit shows up in seconds.
+    items.sort(key=lambda it: it.get_closest_marker("integration") is not None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    from tandem.rollout.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", layers=2, hidden=64, vocab=512, seed=0))
+
+
+@pytest.fixture(scope="session")
+def tied_model(tmp_path_factory):
+    from tandem.rollout.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tied") / "model", layers=1, hidden=64, vocab=512, seed=1,
+                                tie_word_embeddings=True))
+
+
+@pytest.fixture(scope="session")
+def ray_session(tmp_path_factory):
+    import ray
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")), configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+def make_job(tmp_path, model_path, rewards, **sections):
+    """A validated JobConfig for integration tests (data file written beside it)."""
+    from tandem.services.config import JobConfig
+
+    data = tmp_path / "data.jsonl"
+    if not data.exists():
+        data.write_text("".join(json.dumps({"prompt": f"{a} + {a}", "answer": 2 * a}) + "\n" for a in range(16)))
+    d = {"model": {"path": model_path, "dtype": "float32", "lora": {"r": 8, "lora_alpha": 16}},
+         "data": {"path": str(data)}, "rewards": rewards,
+         "generation": {"max_prompt_length": 64, "max_completion_length": 16},
+         "batch": {"num_generations": 4, "per_device_train_batch_size": 4}}
+    for k, v in sections.items():
+        if isinstance(v, dict):
+            d.setdefault(k, {}).update(v)
+        else:
+            d[k] = v
+    return JobConfig.from_dict(d)

