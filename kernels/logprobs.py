@@ -1,0 +1,73 @@
+"""Log-probs of chosen tokens, and entropy, without keeping [rows, vocab] logits alive.
+
+`selective_logprobs(logits, ids, temperature)`: logits already exist (e.g. [chunk, V]).
+`linear_logprobs(hidden, weight, ids, temperature, chunk)`: hidden [N, H] through the lm_head
+`weight` [V, H] a chunk of rows at a time; backward recomputes each chunk's logits
+(activation checkpointing), so at most `chunk × V` logits exist at once.
+
+Plain PyTorch here: the reference, and the path on CPU. Triton kernels dispatch on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def selective_logprobs_reference(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
+                                 with_entropy: bool = False):
+    """logits [N, V] (any float dtype), ids [N] -> (logp [N] float32, entropy [N] float32 or None)."""
+    z = logits.float() / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1) - lse
+    ent = None
+    if with_entropy:
+        with torch.no_grad():
+            p = torch.softmax(z, dim=-1)
+            ent = lse - (p * z).sum(-1)
+    return logp, ent
+
+
+def _chunk_logprobs(h, w, ids, temperature):
+    return selective_logprobs_reference(h @ w.t(), ids, temperature)[0]
+
+
+def linear_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
+                              temperature: float = 1.0, chunk: int = 1024, with_entropy: bool = False):
+    """hidden [N, H], weight [V, H], ids [N] -> (logp [N] float32, entropy [N] or None)."""
+    outs, ents = [], []
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    for s in range(0, hidden.shape[0], chunk):
+        h, t = hidden[s:s + chunk], ids[s:s + chunk]
+        if need_grad:
+            outs.append(checkpoint(_chunk_logprobs, h, weight, t, temperature, use_reentrant=False))
+        else:
+            outs.append(_chunk_logprobs(h, weight, t, temperature))
+        if with_entropy:
+            with torch.no_grad():
+                ents.append(selective_logprobs_reference(h @ weight.t(), t, temperature, True)[1])
+    logp = torch.cat(outs) if outs else hidden.new_zeros(0, dtype=torch.float32)
+    return logp, (torch.cat(ents) if with_entropy and ents else None)
+
+
+def _triton_ready() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None and \
+        importlib.util.find_spec("tandem.kernels.triton_logprobs") is not None
+
+
+def selective_logprobs(logits, ids, temperature=1.0, with_entropy=False):
+    if logits.is_cuda and _triton_ready():
+        from tandem.kernels.triton_logprobs import selective_logprobs_triton
+
+        return selective_logprobs_triton(logits, ids, temperature, with_entropy)
+    return selective_logprobs_reference(logits, ids, temperature, with_entropy)
+
+
+def linear_logprobs(hidden, weight, ids, temperature=1.0, chunk=1024, with_entropy=False):
+    if hidden.is_cuda and _triton_ready():
+        from tandem.kernels.triton_logprobs import linear_logprobs_triton
+
+        return linear_logprobs_triton(hidden, weight, ids, temperature, chunk, with_entropy)
+    return linear_logprobs_reference(hidden, weight, ids, temperature, chunk, with_entropy)

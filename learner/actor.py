@@ -1,0 +1,317 @@
+"""Learner: `num_processes` Ray actors, one torch.distributed group under DeepSpeed.
+
+Every rank receives the whole generation batch (refs into the object store), computes the
+advantages on all of it, and trains on its own rows of each micro-step per the batch plan.
+Knowing every rank's rows also gives the dapo token count of each optimizer step without a
+collective.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tandem.learner.advantages import compute_advantages, total_rewards
+from tandem.learner.batch import Samples, collate
+from tandem.learner.logprobs import completion_logprobs
+from tandem.learner.loss import aggregate_loss, loss_metrics, per_token_loss
+from tandem.learner.model import load_frozen_reference, load_policy, reference_context, trainable_state_dict
+from tandem.services.plan import BatchPlan
+
+
+def lr_lambda(kind: str, warmup: int, total: int):
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup  # first step already at lr/warmup, as HF's schedulers do
+        if kind in ("constant", "constant_with_warmup"):
+            return 1.0
+        progress = (step - warmup) / max(total - warmup, 1)
+        if kind == "linear":
+            return max(0.0, 1.0 - progress)
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+    return f
+
+
+def ds_config(cfg, world: int) -> dict:
+    b, o = cfg.batch, cfg.optimizer
+    c = {
+        "train_micro_batch_size_per_gpu": b.per_device_train_batch_size,
+        "gradient_accumulation_steps": b.gradient_accumulation_steps,
+        "train_batch_size": b.per_device_train_batch_size * b.gradient_accumulation_steps * world,
+        "zero_optimization": {"stage": cfg.cluster.zero_stage},
+        "gradient_clipping": o.max_grad_norm,
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": o.learning_rate, "betas": [o.adam_beta1, o.adam_beta2], "eps": o.adam_epsilon,
+            "weight_decay": o.weight_decay, "torch_adam": True}},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if cfg.model.dtype == "bfloat16":
+        c["bf16"] = {"enabled": True}
+    elif cfg.model.dtype == "float16":
+        c["fp16"] = {"enabled": True, "initial_scale_power": 16}
+    return c
+
+
+class Learner:
+    def __init__(self, cfg, rank: int = 0, world: int = 1, master: str = "127.0.0.1", port: int = 29500,
+                 total_steps: int = 1000, optimizer=None):
+        """`optimizer`: optional callable(params) -> torch optimizer replacing AdamW (tests use SGD,
+        whose update shows any gradient scaling that Adam's normalisation would hide)."""
+        local = str(rank) if torch.cuda.is_available() else "0"
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": local,
+                           "MASTER_ADDR": master, "MASTER_PORT": str(port)})
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+        import deepspeed
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skips a 40 s op build on CPU
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+        torch.manual_seed(cfg.seed)
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.plan = BatchPlan.from_config(cfg)
+        self.tis = cfg.tis
+        model = load_policy(cfg)
+        params = [p for p in model.parameters() if p.requires_grad]
+        o = cfg.optimizer
+        warm = o.warmup_steps or math.ceil(o.warmup_ratio * total_steps)
+        dsc = ds_config(cfg, world)
+        client_opt = None
+        if optimizer is not None:
+            dsc.pop("optimizer")
+            dsc["zero_allow_untested_optimizer"] = True
+            client_opt = optimizer(params)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, model_parameters=params, config=dsc, optimizer=client_opt,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
+                opt, lr_lambda(o.lr_scheduler_type, warm, total_steps)),
+        )
+        self.ref = load_frozen_reference(cfg) if (cfg.grpo.beta > 0 and cfg.model.lora is None) else None
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.version = 0
+        self.steps = 0
+
+    # ----------------------------------------------------------------------------- helpers
+
+    @property
+    def model(self):
+        return self.engine.module
+
+    def needs_old(self) -> bool:
+        p = self.plan
+        return self.tis or p.num_iterations > 1 or p.steps_per_generation > p.gradient_accumulation_steps
+
+    def _logp(self, mb, with_entropy=False, reference=False):
+        T = self.cfg.generation.temperature
+        if reference and self.ref is not None:
+            return completion_logprobs(self.ref, mb, T)[0]
+        if reference:
+            with reference_context(self.model):
+                return completion_logprobs(self.model, mb, T)[0]
+        return completion_logprobs(self.model, mb, T, with_entropy=with_entropy)
+
+    # ------------------------------------------------------------------------------- train
+
+    def train(self, groups) -> dict:
+        """One generation cycle: advantages, old/ref log-probs, the plan's micro-steps, one version up."""
+        t0 = time.time()
+        cfg, plan, g = self.cfg, self.plan, self.cfg.grpo
+        if len(groups) != plan.unique_prompts:
+            raise ValueError(f"Learner.train: {len(groups)} groups; the batch plan needs {plan.unique_prompts}")
+        s = Samples.from_groups(groups)
+        adv = compute_advantages(torch.from_numpy(s.rewards), plan.num_generations, g.reward_weights,
+                                 g.scale_rewards)
+        mk = dict(pad_id=self.pad_id, mask_truncated=g.mask_truncated_completions)
+        S = plan.steps_per_generation
+        mbs = [collate(s, plan.rows(k, self.rank), adv, **mk) for k in range(S)]
+        self.engine.train()
+        with torch.no_grad():
+            old = [self._logp(mb)[0] for mb in mbs] if self.needs_old() else None
+            ref = [self._logp(mb, reference=True) for mb in mbs] if g.beta > 0 else None
+        GA, W = plan.gradient_accumulation_steps, self.world
+        step_metrics = []
+        for opt_step in plan.optimizer_steps():
+            # dapo: active tokens of this optimizer step over every rank (each rank knows all rows)
+            n_active = sum(s.loss_mask_counts(r, g.mask_truncated_completions) for m in opt_step for r in m.rows)
+            acc: dict[str, float] = {}
+            loss_sum = 0.0
+            for m in opt_step:
+                k = m.index % S
+                mb = mbs[k]
+                logp, ent = self._logp(mb, with_entropy=True)
+                o = old[k] if old is not None else logp.detach()
+                per = per_token_loss(
+                    logp, o, mb["advantages"], mb["mask"], epsilon=g.epsilon, epsilon_high=g.epsilon_high,
+                    delta=g.delta, importance_sampling_level=g.importance_sampling_level, beta=g.beta,
+                    ref_logp=ref[k] if ref is not None else None,
+                    sampler_logp=mb["sampler_logp"] if self.tis else None,
+                    tis_cap=g.vllm_importance_sampling_cap if self.tis else None,
+                    tis_mode=g.vllm_importance_sampling_mode)
+                loss = aggregate_loss(per, mb["mask"], g.loss_type,
+                                      max_completion_length=cfg.generation.max_completion_length,
+                                      num_active_tokens=n_active)
+                # Contribution of this micro-batch to the step's objective (spec §4.8), then undo
+                # DeepSpeed's 1/GA and 1/world averaging so the gradient is exactly that sum.
+                if g.loss_type != "dapo":
+                    loss = loss / (GA * W)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"Learner.train: non-finite loss {float(loss)} at micro-step {m.index}; "
+                                             "weights not updated")
+                self.engine.backward(loss * (GA * W))
+                self.engine.step()
+                loss_sum += float(loss.detach())
+                mm = loss_metrics(logp.detach(), o, mb["advantages"], mb["mask"], epsilon=g.epsilon,
+                                  epsilon_high=g.epsilon_high, importance_sampling_level=g.importance_sampling_level,
+                                  ref_logp=ref[k] if ref is not None else None,
+                                  sampler_logp=mb["sampler_logp"] if self.tis else None,
+                                  tis_cap=g.vllm_importance_sampling_cap if self.tis else None,
+                                  tis_mode=g.vllm_importance_sampling_mode, entropy=ent)
+                _accumulate(acc, mm)
+            self.steps += 1
+            step_metrics.append(self._reduce(acc, loss_sum) | {
+                "step": self.steps, "lr": self.scheduler.get_last_lr()[0],
+                "grad_norm": float(self.engine.get_global_grad_norm() or 0.0)})
+        self.version += 1
+        batch_stats = rollout_stats(s, plan.num_generations, g.reward_weights, self.version - 1)
+        for sm in step_metrics:
+            sm.update(batch_stats)
+            sm["version"] = self.version
+            sm["train_s"] = time.time() - t0
+        return {"version": self.version, "steps": step_metrics}
+
+    def _reduce(self, acc: dict, loss_sum: float) -> dict:
+        """Token-weighted means over micro-steps and ranks; min/max reduced as such."""
+        keys = sorted(k for k in acc if not k.startswith(("min:", "max:")))
+        vec = torch.tensor([acc[k] for k in keys] + [loss_sum], dtype=torch.float64)
+        mins = {k: acc[k] for k in acc if k.startswith("min:")}
+        maxs = {k: acc[k] for k in acc if k.startswith("max:")}
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(vec)
+            for d, op in ((mins, dist.ReduceOp.MIN), (maxs, dist.ReduceOp.MAX)):
+                if d:
+                    t = torch.tensor(list(d.values()), dtype=torch.float64)
+                    dist.all_reduce(t, op=op)
+                    d.update(zip(d, t.tolist()))
+        vals = dict(zip(keys, vec.tolist()))
+        tokens = max(vals.pop("tokens", 0.0), 1.0)
+        out = {k.removeprefix("sum:"): v / tokens for k, v in vals.items()}
+        # an all-masked step has no min/max: report 0 rather than inf
+        out.update({k[4:]: (v if math.isfinite(v) else 0.0) for k, v in (mins | maxs).items()})
+        out["loss"] = vec[-1].item()
+        out["tokens"] = tokens
+        return out
+
+    # ---------------------------------------------------------------------- publish, save
+
+    def export_adapter(self):
+        """(version, object ref of the adapter state dict in the model dtype). Rank 0 only."""
+        import ray
+
+        sd = self._gathered_state()
+        return self.version, ray.put(sd)
+
+    def state_dict_for_engines(self) -> dict:
+        return self._gathered_state()
+
+    def _gathered_state(self) -> dict:
+        if self.cfg.cluster.zero_stage == 3:
+            import deepspeed
+
+            params = [p for p in self.model.parameters() if p.requires_grad or self.cfg.model.lora is None]
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                return {k: v.detach().clone().cpu() for k, v in trainable_state_dict(self.model).items()}
+        return {k: v.detach().clone().cpu() for k, v in trainable_state_dict(self.model).items()}
+
+    def trainable_parameters(self) -> dict:
+        return {n: p.detach().clone().float().cpu() for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def save_checkpoint(self, directory: str, extra: dict | None = None) -> str:
+        """Written to `<dir>.tmp` and renamed: a crash never leaves a half checkpoint to resume from."""
+        final = Path(directory)
+        tmp = final.with_name(final.name + ".tmp")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self._barrier()
+        self.engine.save_checkpoint(str(tmp), tag="state", save_latest=False)
+        torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+                   tmp / f"rng_rank{self.rank}.pt")
+        self._barrier()
+        if self.rank == 0:
+            (tmp / "tandem.json").write_text(json.dumps({"version": self.version, "steps": self.steps,
+                                                         **(extra or {})}))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        self._barrier()
+        return str(final)
+
+    def load_checkpoint(self, directory: str) -> dict:
+        d = Path(directory)
+        meta = json.loads((d / "tandem.json").read_text())
+        self.engine.load_checkpoint(str(d), tag="state", load_optimizer_states=True, load_lr_scheduler_states=True)
+        rng = torch.load(d / f"rng_rank{self.rank}.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        self.version, self.steps = meta["version"], meta["steps"]
+        return meta
+
+    def _barrier(self):
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def ping(self) -> int:
+        return self.rank
+
+
+def _accumulate(acc: dict, m: dict) -> None:
+    """Token-weighted sums (means come back in _reduce); min/max kept as such."""
+    n = m["tokens"]
+    acc["tokens"] = acc.get("tokens", 0.0) + n
+    for k, v in m.items():
+        if k == "tokens":
+            continue
+        if k.endswith("_min"):
+            acc["min:" + k] = min(acc.get("min:" + k, math.inf), v if n else math.inf)
+        elif k.endswith("_max"):
+            acc["max:" + k] = max(acc.get("max:" + k, -math.inf), v if n else -math.inf)
+        else:
+            acc["sum:" + k] = acc.get("sum:" + k, 0.0) + v * n
+
+
+def rollout_stats(s: Samples, G: int, weights, version: int) -> dict:
+    """Reward and completion statistics of the generation batch (spec §5)."""
+    r, valid = total_rewards(torch.from_numpy(s.rewards), weights)
+    r = r[valid]
+    lengths = np.array([len(c) for c in s.completions])
+    grp = torch.from_numpy(s.rewards).nan_to_num(0.0).sum(1).view(-1, G)
+    out = {
+        "reward": float(r.mean()) if len(r) else 0.0,
+        "reward_std": float(r.std()) if len(r) > 1 else 0.0,
+        "frac_reward_zero_std": float((grp.max(1).values == grp.min(1).values).float().mean()),
+        "completion_length": float(lengths.mean()),
+        "completion_length_min": float(lengths.min()),
+        "completion_length_max": float(lengths.max()),
+        "frac_truncated": float(1 - s.eos.mean()),
+        "version_lag": float(np.mean(version - s.versions)),
+        "version_lag_max": float(np.max(version - s.versions)),
+    }
+    for f in range(s.rewards.shape[1]):
+        col = s.rewards[:, f]
+        col = col[~np.isnan(col)]
+        out[f"rewards/{f}/mean"] = float(col.mean()) if len(col) else 0.0
+        out[f"rewards/{f}/std"] = float(col.std(ddof=1)) if len(col) > 1 else 0.0
+    return out

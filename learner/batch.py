@@ -1,0 +1,65 @@
+"""Generation batch -> padded tensors. Rows are (prompt, generation) samples in the batch plan's
+order; prompts left-padded, completions right-padded, so completion positions are the last T."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tandem.services.protocol import RolloutGroup
+
+
+@dataclass
+class Samples:
+    """The whole generation batch, flattened: sample i = group i // G, completion i % G."""
+
+    prompts: list[np.ndarray]
+    completions: list[np.ndarray]
+    sampler_logprobs: list[np.ndarray]
+    eos: np.ndarray  # bool [N]
+    rewards: np.ndarray  # float32 [N, F]
+    versions: np.ndarray  # int [N]
+
+    @classmethod
+    def from_groups(cls, groups: list[RolloutGroup]) -> Samples:
+        p, c, s, e, r, v = [], [], [], [], [], []
+        for g in groups:
+            for k in range(g.num_generations):
+                p.append(g.prompt_ids)
+                c.append(g.completion(k))
+                s.append(g.completion_logprobs(k))
+                v.append(g.version)
+            e.append(g.eos)
+            r.append(g.rewards)
+        return cls(p, c, s, np.concatenate(e), np.concatenate(r).astype(np.float32), np.asarray(v))
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+    def loss_mask_counts(self, rows, mask_truncated: bool) -> int:
+        return int(sum(len(self.completions[i]) for i in rows if self.eos[i] or not mask_truncated))
+
+
+def collate(s: Samples, rows, advantages: torch.Tensor, *, pad_id: int, mask_truncated: bool) -> dict:
+    rows = list(rows)
+    P = max(len(s.prompts[i]) for i in rows)
+    T = max(max(len(s.completions[i]) for i in rows), 1)
+    B = len(rows)
+    ids = torch.full((B, P + T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, P + T), dtype=torch.long)
+    comp = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.bool)
+    samp = torch.zeros((B, T), dtype=torch.float32)
+    for b, i in enumerate(rows):
+        pr, c = s.prompts[i], s.completions[i]
+        ids[b, P - len(pr):P] = torch.as_tensor(pr, dtype=torch.long)
+        attn[b, P - len(pr):P + len(c)] = 1
+        ids[b, P:P + len(c)] = torch.as_tensor(c, dtype=torch.long)
+        comp[b, :len(c)] = torch.as_tensor(c, dtype=torch.long)
+        samp[b, :len(c)] = torch.as_tensor(s.sampler_logprobs[i], dtype=torch.float32)
+        if s.eos[i] or not mask_truncated:
+            mask[b, :len(c)] = True
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # positions as an unpadded sequence (what vLLM sees)
+    return {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "completion_ids": comp,
+            "mask": mask, "sampler_logp": samp, "advantages": advantages[rows].float()}

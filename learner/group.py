@@ -1,0 +1,58 @@
+"""`num_processes` Learner actors forming one torch.distributed group; rank 0 speaks for them."""
+
+from __future__ import annotations
+
+import socket
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class LearnerGroup:
+    def __init__(self, cfg, total_steps: int, optimizer=None):
+        import ray
+        from tandem.learner.actor import Learner
+
+        r = cfg.cluster.learner_resources
+        n = cfg.cluster.num_processes
+        cls = ray.remote(num_cpus=r.num_cpus, num_gpus=r.num_gpus, resources=r.resources or None,
+                         runtime_env={"env_vars": {"DS_ACCELERATOR": "cuda" if r.num_gpus else "cpu",
+                                                   "TOKENIZERS_PARALLELISM": "false"}})(Learner)
+        master = ray.util.get_node_ip_address()
+        port = _free_port()
+        self.actors = [cls.remote(cfg, rank, n, master, port, total_steps, optimizer) for rank in range(n)]
+        ray.get([a.ping.remote() for a in self.actors])
+
+    def _all(self, method: str, *args):
+        import ray
+
+        return ray.get([getattr(a, method).remote(*args) for a in self.actors])
+
+    def train(self, groups_or_refs) -> dict:
+        """Every rank gets the same list (object refs resolve in each rank's object store)."""
+        return self._all("train", groups_or_refs)[0]
+
+    def export_adapter(self):
+        import ray
+
+        return ray.get(self.actors[0].export_adapter.remote())
+
+    def save_checkpoint(self, directory: str, extra: dict | None = None) -> str:
+        return self._all("save_checkpoint", directory, extra)[0]
+
+    def load_checkpoint(self, directory: str) -> dict:
+        return self._all("load_checkpoint", directory)[0]
+
+    def trainable_parameters(self) -> dict:
+        import ray
+
+        return ray.get(self.actors[0].trainable_parameters.remote())
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in self.actors:
+            ray.kill(a)

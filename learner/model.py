@@ -1,0 +1,60 @@
+"""The policy: a transformers causal LM in the job's dtype, LoRA through peft (or full
+fine-tuning), and the reference policy only when beta > 0."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def load_policy(cfg):
+    from transformers import AutoModelForCausalLM
+
+    m = cfg.model
+    model = AutoModelForCausalLM.from_pretrained(m.path, dtype=getattr(torch, m.dtype))
+    if m.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if m.lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        lc = LoraConfig(r=m.lora.r, lora_alpha=m.lora.lora_alpha, lora_dropout=m.lora.lora_dropout,
+                        target_modules=list(m.lora.target_modules), task_type="CAUSAL_LM")
+        model = get_peft_model(model, lc)
+        if m.gradient_checkpointing:
+            model.enable_input_require_grads()
+    return model
+
+
+def load_frozen_reference(cfg):
+    """Full fine-tuning with beta > 0: a frozen copy. (With LoRA the reference is the same model
+    with the adapter disabled: see reference_context.)"""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
+    ref.requires_grad_(False)
+    ref.eval()
+    return ref
+
+
+def reference_context(model):
+    """Context in which `model` computes the reference policy: peft's disable_adapter()."""
+    if hasattr(model, "disable_adapter"):
+        return model.disable_adapter()
+    return contextlib.nullcontext()
+
+
+def decoder_and_head(model):
+    """(decoder returning hidden states, lm_head module) of a (peft-wrapped) causal LM."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model, base.lm_head
+
+
+def trainable_state_dict(model) -> dict[str, torch.Tensor]:
+    """What the rollout engines load: peft adapter tensors, or all weights under HF names."""
+    if hasattr(model, "peft_config"):
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(model)
+    return model.state_dict()
