@@ -30,3 +30,12 @@ def addition_reward(completions, answer, **kw):
 def only_some(completions, **kw):
     """None for odd samples: a function that does not apply everywhere."""
     return [None if i % 2 else 1.0 for i in range(len(completions))]
+
+
+def sevens_reward(completions, **kw):
+    """The demo's reward: the fraction of characters that are the digit 7 (0 for an empty answer)."""
+    out = []
+    for c in completions:
+        text = (c if isinstance(c, str) else c[0]["content"]).strip()
+        out.append(text.count("7") / len(text) if text else 0.0)
+    return out

@@ -126,6 +126,7 @@ class Learner:
         """One generation cycle: advantages, old/ref log-probs, the plan's micro-steps, one version up."""
         t0 = time.time()
         cfg, plan, g = self.cfg, self.plan, self.cfg.grpo
+        groups = _resolve(groups)
         if len(groups) != plan.unique_prompts:
             raise ValueError(f"Learner.train: {len(groups)} groups; the batch plan needs {plan.unique_prompts}")
         s = Samples.from_groups(groups)
@@ -275,6 +276,15 @@ class Learner:
 
     def ping(self) -> int:
         return self.rank
+
+
+def _resolve(groups: list) -> list:
+    """Group refs (from the controller) are fetched here, straight from the workers' object stores."""
+    if groups and not hasattr(groups[0], "offsets"):
+        import ray
+
+        return ray.get(list(groups))
+    return groups
 
 
 def _accumulate(acc: dict, m: dict) -> None:

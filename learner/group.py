@@ -31,6 +31,9 @@ class LearnerGroup:
 
         return ray.get([getattr(a, method).remote(*args) for a in self.actors])
 
+    def train_async(self, groups_or_refs) -> list:
+        return [a.train.remote(groups_or_refs) for a in self.actors]
+
     def train(self, groups_or_refs) -> dict:
         """Every rank gets the same list (object refs resolve in each rank's object store)."""
         return self._all("train", groups_or_refs)[0]

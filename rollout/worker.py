@@ -11,7 +11,7 @@ import numpy as np
 from tandem.rollout.engines.base import Sampling
 from tandem.rollout.prompts import completion_views
 from tandem.rollout.rewards import RewardError, RewardFunctions
-from tandem.services.protocol import PromptItem, RolloutFailure, RolloutGroup, pack_completions
+from tandem.services.protocol import PromptItem, RolloutFailure, RolloutGroup, group_meta, pack_completions
 
 
 def build_engine(cfg, seed: int):
@@ -88,6 +88,12 @@ class RolloutWorker:
             self._stats["score_s"] += time.time() - t1
         self._stats["generate_s"] += gen_s
         return results
+
+    def generate_refs(self, items: list[PromptItem]) -> tuple:
+        """For `.options(num_returns=len(items) + 1)`: small metadata first, then one object per
+        group, so the controller routes group refs without fetching their payload."""
+        results = self.generate(items)
+        return (tuple(group_meta(r) for r in results), *results)
 
     def health(self) -> dict:
         return {"worker": self.worker_id, "version": self.version, "pid": os.getpid()}

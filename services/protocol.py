@@ -71,3 +71,10 @@ def pack_completions(completions: list[np.ndarray]) -> tuple[np.ndarray, np.ndar
     offsets[1:] = np.cumsum([len(c) for c in completions])
     flat = np.concatenate(completions) if completions else np.zeros(0)
     return flat, offsets
+
+
+def group_meta(r: RolloutGroup | RolloutFailure) -> dict:
+    """The few numbers the controller needs about a group without fetching its payload."""
+    if isinstance(r, RolloutFailure):
+        return {"failure": r.message}
+    return {"version": r.version, "tokens": int(len(r.tokens)), "group_id": r.group_id}

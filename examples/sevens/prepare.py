@@ -1,0 +1,75 @@
+"""Builds the demo's model: a tiny Qwen2-shaped model and tokenizer made here, then warmed up
+with a short supervised stage on a toy language (random digit strings), so that GRPO with LoRA
+has something to steer. Also writes the prompt dataset.
+
+    python examples/sevens/prepare.py runs/sevens
+"""
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tandem.rollout.tiny_model import build_tiny_model
+
+PROMPTS = ["write a number", "say some digits", "give me digits", "a number please", "digits", "count"]
+
+
+def sample_text(rng: random.Random) -> str:
+    return "".join(rng.choice("0123456789") for _ in range(rng.randint(4, 12)))
+
+
+def warm_up(model_dir: Path, steps: int = 300, batch: int = 32, seed: int = 0) -> float:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    model.train()
+    for step in range(steps):
+        seqs, masks = [], []
+        for _ in range(batch):
+            msgs = [{"role": "user", "content": rng.choice(PROMPTS)}]
+            p = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            p = p["input_ids"] if isinstance(p, dict) or hasattr(p, "input_ids") else p
+            c = tok(sample_text(rng), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            seqs.append(p + c)
+            masks.append([0] * len(p) + [1] * len(c))
+        L = max(map(len, seqs))
+        ids = torch.tensor([s + [tok.pad_token_id] * (L - len(s)) for s in seqs])
+        m = torch.tensor([x + [0] * (L - len(x)) for x in masks], dtype=torch.float32)
+        att = torch.tensor([[1] * len(s) + [0] * (L - len(s)) for s in seqs])
+        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        loss = -(lp * m[:, 1:]).sum() / m[:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(model_dir)
+    return float(loss)
+
+
+def main(out: str) -> None:
+    t0 = time.time()
+    root = Path(out)
+    model_dir = root / "model"
+    if (model_dir / "warm.json").is_file():
+        print(f"model ready: {model_dir}")
+        return
+    build_tiny_model(model_dir, layers=2, hidden=128, heads=4, kv_heads=2, vocab=512, seed=0)
+    loss = warm_up(model_dir)
+    (model_dir / "warm.json").write_text(json.dumps({"sft_loss": loss}))
+    rng = random.Random(1)
+    with open(root / "prompts.jsonl", "w") as f:
+        for i in range(256):
+            f.write(json.dumps({"prompt": [{"role": "user", "content": rng.choice(PROMPTS)}], "id": i}) + "\n")
+    print(f"warm-up done in {time.time() - t0:.0f} s (SFT loss {loss:.3f}); model: {model_dir}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "runs/sevens")

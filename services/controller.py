@@ -1,0 +1,310 @@
+"""Controller: drives one job. Hands prompts to rollout workers, collects group refs as each
+worker finishes, forms generation batches, trains, publishes the adapter, checkpoints.
+
+The controller moves object refs, never payloads: a worker's generate call returns one small
+metadata object plus one ref per group, and the group refs go to the learner as they are.
+Every prompt handed out is either returned as a group or re-queued (worker died, group too
+stale): never lost, never trained on twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tandem.services.data import check_rows, load_rows
+from tandem.services.plan import BatchPlan
+from tandem.services.protocol import PromptItem
+
+MAX_REWARD_RETRIES = 1  # a prompt whose reward function failed is retried once, then recorded as failed
+
+
+@dataclass
+class Cursor:
+    """Seeded shuffle per epoch; re-queued prompts go first."""
+
+    n: int
+    seed: int
+    epoch: int = 0
+    pos: int = 0
+    requeued: deque = field(default_factory=deque)
+
+    def order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng(self.seed + epoch).permutation(self.n)
+
+    def next(self) -> tuple[int, int]:
+        """(dataset index, epoch it belongs to)."""
+        if self.requeued:
+            return self.requeued.popleft()
+        if self.pos >= self.n:
+            self.epoch, self.pos = self.epoch + 1, 0
+        idx = int(self.order(self.epoch)[self.pos])
+        self.pos += 1
+        return idx, self.epoch
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "requeued": [list(x) for x in self.requeued]}
+
+    def load(self, st: dict) -> None:
+        self.epoch, self.pos = st["epoch"], st["pos"]
+        self.requeued = deque(tuple(x) for x in st["requeued"])
+
+
+class Controller:
+    def __init__(self, cfg, *, learner=None, workers=None):
+        import ray
+        from transformers import AutoTokenizer
+
+        from tandem.rollout.prompts import tokenize_prompt
+
+        self.cfg = cfg
+        self.plan = BatchPlan.from_config(cfg)
+        self.out = Path(cfg.logging.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        rows = load_rows(cfg.data.path)
+        check_rows(rows, cfg.data.prompt_column, cfg.data.path)
+        tok = AutoTokenizer.from_pretrained(cfg.model.path)
+        pc = cfg.data.prompt_column
+        # Tokenised once, here; workers receive token ids.
+        self.prompts = [tokenize_prompt(tok, r[pc], max_prompt_length=cfg.generation.max_prompt_length,
+                                        truncate=cfg.data.truncate_long_prompts, row=i) for i, r in enumerate(rows)]
+        self.rows = rows
+        self.cursor = Cursor(len(rows), cfg.seed)
+        if not cfg.data.shuffle:
+            self.cursor.order = lambda epoch: np.arange(len(rows))
+        U = self.plan.unique_prompts
+        if cfg.batch.max_steps > 0:
+            self.total_cycles = -(-cfg.batch.max_steps // self.plan.optimizer_steps_per_cycle)
+        else:
+            self.total_cycles = max(int(cfg.batch.num_train_epochs * len(rows)) // U, 1)
+        self.total_steps = self.total_cycles * self.plan.optimizer_steps_per_cycle
+        self.ray = ray
+        if learner is None:
+            from tandem.learner.group import LearnerGroup
+
+            learner = LearnerGroup(cfg, total_steps=self.total_steps)
+        if workers is None:
+            from tandem.rollout.worker import rollout_actor_class
+
+            cls = rollout_actor_class(cfg)
+            workers = [cls.remote(cfg, i) for i in range(cfg.cluster.num_rollout_workers)]
+            ray.get([w.health.remote() for w in workers])
+        self.learner = learner
+        self.workers = workers
+        self.version = 0
+        self.cycle = 0
+        self.next_group_id = 0
+        self.inflight: dict = {}  # call ref -> (worker slot, [PromptItem])
+        self.outstanding = Counter()  # worker slot -> prompts in flight
+        self.ready: list = []  # (meta, group ref), oldest first
+        self.retries: Counter = Counter()
+        self.seen: list[tuple[int, int, int]] = []  # (epoch, dataset index, version) of every trained group
+        self.failed: list[dict] = []
+        self.counters = Counter()
+        self.adapter_ref = None
+        self.metrics_path = self.out / "metrics.jsonl"
+        self._gauges = None
+
+    # ------------------------------------------------------------------------------ workers
+
+    def _item(self, idx: int, epoch: int) -> PromptItem:
+        row = self.rows[idx]
+        cols = {k: v for k, v in row.items() if k != self.cfg.data.prompt_column}
+        it = PromptItem(self.next_group_id, idx, self.prompts[idx], row[self.cfg.data.prompt_column], cols,
+                        queued_at=time.time())
+        it.columns["_epoch"] = epoch  # carried back with the group
+        self.next_group_id += 1
+        return it
+
+    def _dispatch(self, want: int) -> None:
+        """Hand out prompts until `want` are buffered or in flight; the least-loaded worker first."""
+        per_call = max(1, -(-self.plan.unique_prompts // max(len(self.workers), 1)))
+        busy = {slot for slot, _ in self.inflight.values()}
+        while len(self.ready) + sum(self.outstanding.values()) < want:
+            free = [s for s in range(len(self.workers)) if s not in busy]
+            if not free:
+                return
+            slot = min(free, key=lambda s: self.outstanding[s])
+            n = min(per_call, want - len(self.ready) - sum(self.outstanding.values()))
+            items = [self._item(*self.cursor.next()) for _ in range(n)]
+            refs = self.workers[slot].generate_refs.options(num_returns=n + 1).remote(items)
+            self.inflight[refs[0]] = (slot, items, refs[1:])
+            self.outstanding[slot] += n
+            busy.add(slot)
+
+    def _collect(self, timeout: float | None) -> None:
+        """Take finished generate calls: groups to the buffer, failures handled, dead workers replaced."""
+        if not self.inflight:
+            return
+        done, _ = self.ray.wait(list(self.inflight), num_returns=1, timeout=timeout)
+        for ref in done:
+            slot, items, group_refs = self.inflight.pop(ref)
+            self.outstanding[slot] -= len(items)
+            try:
+                metas = self.ray.get(ref)
+            except (self.ray.exceptions.RayActorError, self.ray.exceptions.RayTaskError) as e:
+                self.counters["worker_failures"] += 1
+                for it in items:  # back to the front of the queue: nothing lost
+                    self.cursor.requeued.appendleft((it.index, it.columns["_epoch"]))
+                self._replace_worker(slot, e)
+                continue
+            for it, meta, gref in zip(items, metas, group_refs):
+                self._accept(it, meta, gref)
+
+    def _accept(self, it: PromptItem, meta: dict, gref) -> None:
+        epoch = it.columns["_epoch"]
+        if meta.get("failure"):
+            self.counters["reward_failures"] += 1
+            self.retries[(it.index, epoch)] += 1
+            if self.retries[(it.index, epoch)] <= MAX_REWARD_RETRIES:
+                self.cursor.requeued.append((it.index, epoch))
+            else:
+                self.failed.append({"index": it.index, "epoch": epoch, "message": meta["failure"]})
+                with open(self.out / "failed_prompts.jsonl", "a") as f:
+                    f.write(json.dumps(self.failed[-1]) + "\n")
+                if len(self.failed) > max(4, len(self.rows) // 4):
+                    raise RuntimeError(f"{len(self.failed)} prompts failed permanently; last: {meta['failure']}")
+            return
+        self.ready.append((dict(meta, index=it.index, epoch=epoch), gref))
+
+    def _drop_stale(self) -> None:
+        k = self.cfg.cluster.max_staleness
+        keep = []
+        for meta, gref in self.ready:
+            if self.version - meta["version"] > k:
+                self.counters["stale_dropped"] += 1
+                self.cursor.requeued.append((meta["index"], meta["epoch"]))
+            else:
+                keep.append((meta, gref))
+        self.ready = keep
+
+    def _replace_worker(self, slot: int, err) -> None:
+        from tandem.rollout.worker import rollout_actor_class
+
+        try:
+            self.ray.kill(self.workers[slot])
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        self.workers[slot] = rollout_actor_class(self.cfg).remote(self.cfg, slot)
+        if self.adapter_ref is not None:
+            self.ray.get(self.workers[slot].set_adapter.remote(self.version, self.adapter_ref))
+
+    # --------------------------------------------------------------------------------- cycle
+
+    def step(self) -> dict:
+        """One generation cycle: gather unique_prompts fresh groups, train, publish."""
+        t0 = time.time()
+        U = self.plan.unique_prompts
+        k = self.cfg.cluster.max_staleness
+        while True:
+            self._drop_stale()
+            if len(self.ready) >= U:
+                break
+            self._dispatch(U)
+            self._collect(timeout=None)
+        batch, self.ready = self.ready[:U], self.ready[U:]
+        gen_s = time.time() - t0
+        t1 = time.time()
+        train_refs = self.learner.train_async([g for _, g in batch])
+        while True:  # with max_staleness >= 1 the workers keep sampling while the learner trains
+            if k > 0:
+                self._dispatch(U * k)
+            busy = k > 0 and self.inflight
+            done, _ = self.ray.wait(train_refs, num_returns=len(train_refs), timeout=0.0 if busy else None)
+            if len(done) == len(train_refs):
+                break
+            self._collect(timeout=0.05)
+        result = self.ray.get(train_refs)[0]
+        train_s = time.time() - t1
+        for meta, _ in batch:
+            self.seen.append((meta["epoch"], meta["index"], meta["version"]))
+        t2 = time.time()
+        self.version, self.adapter_ref = self.learner.export_adapter()
+        self.ray.get([w.set_adapter.remote(self.version, self.adapter_ref) for w in self.workers])
+        publish_s = time.time() - t2
+        self.cycle += 1
+        lags = Counter(self.version - 1 - m["version"] for m, _ in batch)
+        extra = {
+            "cycle": self.cycle, "generate_wait_s": gen_s, "train_s": train_s, "publish_latency_s": publish_s,
+            "cycle_s": time.time() - t0, "queue_depth": len(self.ready) + sum(self.outstanding.values()),
+            "staleness_hist": {str(k2): v for k2, v in sorted(lags.items())},
+            "rollout_tokens_per_s": sum(m["tokens"] for m, _ in batch) / max(gen_s + train_s, 1e-9),
+            **{f"count/{k2}": v for k2, v in self.counters.items()},
+        }
+        steps = [dict(s, **extra) for s in result["steps"]]
+        self._log(steps)
+        return {"version": self.version, "steps": steps, "done": self.cycle >= self.total_cycles}
+
+    # ------------------------------------------------------------------------------ metrics
+
+    def _log(self, steps: list[dict]) -> None:
+        with open(self.metrics_path, "a") as f:
+            for s in steps:
+                f.write(json.dumps(s) + "\n")
+        try:
+            from ray.util.metrics import Gauge
+
+            if self._gauges is None:
+                self._gauges = {}
+            for key in ("reward", "reward_std", "kl", "clip_ratio/region_mean", "completion_length", "loss",
+                        "entropy", "publish_latency_s", "queue_depth", "rollout_tokens_per_s", "version"):
+                if key in steps[-1]:
+                    name = "tandem_" + key.replace("/", "_")
+                    if name not in self._gauges:
+                        self._gauges[name] = Gauge(name, description=f"Tandem {key} per optimizer step")
+                    self._gauges[name].set(float(steps[-1][key]))
+        except Exception:  # noqa: BLE001 - the dashboard is optional, the JSONL is the record
+            pass
+
+    # --------------------------------------------------------------------------- checkpoints
+
+    def state(self) -> dict:
+        # Prompts in flight or buffered were not trained on: on resume they are handed out again.
+        pending = [(it.index, it.columns["_epoch"]) for _, items, _ in self.inflight.values() for it in items]
+        pending += [(m["index"], m["epoch"]) for m, _ in self.ready]
+        cur = self.cursor.state()
+        cur["requeued"] = [list(p) for p in pending] + cur["requeued"]
+        return {"cursor": cur, "cycle": self.cycle, "version": self.version, "next_group_id": self.next_group_id,
+                "seen": self.seen, "failed": self.failed, "counters": dict(self.counters)}
+
+    def save_checkpoint(self) -> str:
+        root = Path(self.cfg.checkpoint_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        path = self.learner.save_checkpoint(str(root / f"cycle-{self.cycle:06d}"), {"controller": self.state()})
+        done = sorted(complete_checkpoints(root))
+        for old in done[:-self.cfg.checkpoint.save_total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def resume(self) -> bool:
+        found = complete_checkpoints(Path(self.cfg.checkpoint_dir))
+        if not found:
+            return False
+        meta = self.learner.load_checkpoint(str(found[-1]))
+        st = meta["controller"]
+        self.cursor.load(st["cursor"])
+        self.cycle, self.version, self.next_group_id = st["cycle"], st["version"], st["next_group_id"]
+        self.seen = [tuple(x) for x in st["seen"]]
+        self.failed, self.counters = st["failed"], Counter(st["counters"])
+        if self.version > 0:
+            v, self.adapter_ref = self.learner.export_adapter()
+            self.ray.get([w.set_adapter.remote(v, self.adapter_ref) for w in self.workers])
+        return True
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Checkpoint dirs that finished writing (tandem.json inside, no .tmp suffix), oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.endswith(".tmp")
+                  and (p / "tandem.json").is_file())
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,72 @@
+"""`tandem run`: embedded Ray (or --address), the actors, a progress bar, the plot."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def start_ray(address: str | None, cfg):
+    import ray
+
+    if ray.is_initialized():
+        return ray
+    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.getcwd()}}
+    if address:
+        ray.init(address=address, runtime_env=env, log_to_driver=False)
+    else:
+        need = (cfg.cluster.num_rollout_workers * cfg.cluster.rollout_resources.num_cpus
+                + cfg.cluster.num_processes * cfg.cluster.learner_resources.num_cpus)
+        ray.init(address="local", num_cpus=max(int(need) + 1, os.cpu_count() or 1), include_dashboard=False,
+                 log_to_driver=False, runtime_env=env, configure_logging=False)
+    return ray
+
+
+def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:
+    from tqdm import tqdm
+
+    from tandem.services.controller import Controller
+    from tandem.services.plot import plot_run, read_metrics
+
+    ray = start_ray(address, cfg)
+    t_start = time.time()
+    ctl = ray.remote(num_cpus=0)(Controller).remote(cfg)
+    if cfg.checkpoint.resume:
+        resumed = ray.get(ctl.resume.remote())
+        print(f"resumed from checkpoint: {resumed}", file=out)
+    total = ray.get(ctl.__ray_call__.remote(lambda self: self.total_cycles))
+    cycle0 = ray.get(ctl.__ray_call__.remote(lambda self: self.cycle))
+    bar = tqdm(total=total, initial=cycle0, desc="GRPO", unit="cycle", disable=not cfg.logging.progress, file=out)
+    save_every = cfg.checkpoint.save_steps
+    first = last = None
+    try:
+        done = cycle0 >= total
+        while not done:
+            r = ray.get(ctl.step.remote())
+            s = r["steps"][-1]
+            first = first if first is not None else s
+            last, done = s, r["done"]
+            bar.set_postfix(reward=f"{s['reward']:.3f}", step_s=f"{s['cycle_s']:.2f}", v=r["version"])
+            bar.update(1)
+            if save_every and s["step"] % save_every < len(r["steps"]):
+                ray.get(ctl.save_checkpoint.remote())
+    except KeyboardInterrupt:
+        bar.close()
+        print("\ninterrupted: saving a checkpoint before stopping...", file=out)
+        path = ray.get(ctl.save_checkpoint.remote())
+        print(f"checkpoint: {path} (resume with --set checkpoint.resume=true)", file=out)
+        return 130
+    bar.close()
+    path = ray.get(ctl.save_checkpoint.remote())
+    out_dir = Path(cfg.logging.output_dir)
+    png = plot_run(out_dir / "metrics.jsonl", out_dir / "reward.png")
+    rows = read_metrics(out_dir / "metrics.jsonl")
+    k = min(10, max(len(rows) // 2, 1))
+    r0 = sum(r["reward"] for r in rows[:k]) / k
+    r1 = sum(r["reward"] for r in rows[-k:]) / k
+    print(f"reward: first {k} steps {r0:.3f} -> last {k} steps {r1:.3f} ({r1 - r0:+.3f})", file=out)
+    print(f"steps: {len(rows)}, wall: {time.time() - t_start:.0f} s", file=out)
+    print(f"metrics: {out_dir / 'metrics.jsonl'}  plot: {png}  checkpoint: {path}", file=out)
+    return 0
