@@ -30,3 +30,9 @@ lint: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The main job: build + warm up a tiny model here, then GRPO with LoRA on embedded Ray + vLLM + DeepSpeed.
+demo: install
+	$(BIN)/python examples/sevens/prepare.py runs/sevens
+	rm -rf runs/sevens/metrics.jsonl runs/sevens/checkpoints
+	$(BIN)/python -m tandem.services.demo examples/sevens.yaml

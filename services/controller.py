@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
 from tandem.services.data import check_rows, load_rows
 from tandem.services.plan import BatchPlan
 from tandem.services.protocol import PromptItem
@@ -60,9 +59,8 @@ class Cursor:
 class Controller:
     def __init__(self, cfg, *, learner=None, workers=None):
         import ray
-        from transformers import AutoTokenizer
-
         from tandem.rollout.prompts import tokenize_prompt
+        from transformers import AutoTokenizer
 
         self.cfg = cfg
         self.plan = BatchPlan.from_config(cfg)
@@ -126,7 +124,7 @@ class Controller:
     def _dispatch(self, want: int) -> None:
         """Hand out prompts until `want` are buffered or in flight; the least-loaded worker first."""
         per_call = max(1, -(-self.plan.unique_prompts // max(len(self.workers), 1)))
-        busy = {slot for slot, _ in self.inflight.values()}
+        busy = {slot for slot, _, _ in self.inflight.values()}
         while len(self.ready) + sum(self.outstanding.values()) < want:
             free = [s for s in range(len(self.workers)) if s not in busy]
             if not free:
@@ -149,7 +147,7 @@ class Controller:
             self.outstanding[slot] -= len(items)
             try:
                 metas = self.ray.get(ref)
-            except (self.ray.exceptions.RayActorError, self.ray.exceptions.RayTaskError) as e:
+            except self.ray.exceptions.RayError as e:  # worker died (or its results were lost)
                 self.counters["worker_failures"] += 1
                 for it in items:  # back to the front of the queue: nothing lost
                     self.cursor.requeued.appendleft((it.index, it.columns["_epoch"]))
@@ -227,7 +225,7 @@ class Controller:
             self.seen.append((meta["epoch"], meta["index"], meta["version"]))
         t2 = time.time()
         self.version, self.adapter_ref = self.learner.export_adapter()
-        self.ray.get([w.set_adapter.remote(self.version, self.adapter_ref) for w in self.workers])
+        self._publish()
         publish_s = time.time() - t2
         self.cycle += 1
         lags = Counter(self.version - 1 - m["version"] for m, _ in batch)
@@ -294,9 +292,19 @@ class Controller:
         self.seen = [tuple(x) for x in st["seen"]]
         self.failed, self.counters = st["failed"], Counter(st["counters"])
         if self.version > 0:
-            v, self.adapter_ref = self.learner.export_adapter()
-            self.ray.get([w.set_adapter.remote(v, self.adapter_ref) for w in self.workers])
+            self.version, self.adapter_ref = self.learner.export_adapter()
+            self._publish()
         return True
+
+    def _publish(self) -> None:
+        """Every worker serves the new version before the next cycle's prompts (dead ones are replaced)."""
+        refs = [w.set_adapter.remote(self.version, self.adapter_ref) for w in self.workers]
+        for slot, ref in enumerate(refs):
+            try:
+                self.ray.get(ref)
+            except self.ray.exceptions.RayError as e:
+                self.counters["worker_failures"] += 1
+                self._replace_worker(slot, e)
 
 
 def complete_checkpoints(root: Path) -> list[Path]:

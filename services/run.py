@@ -25,10 +25,9 @@ def start_ray(address: str | None, cfg):
 
 
 def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:
-    from tqdm import tqdm
-
     from tandem.services.controller import Controller
     from tandem.services.plot import plot_run, read_metrics
+    from tqdm import tqdm
 
     ray = start_ray(address, cfg)
     t_start = time.time()
