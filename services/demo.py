@@ -9,7 +9,6 @@ import time
 
 def main(job: str) -> int:
     import psutil
-
     from tandem.services.config import JobConfig
     from tandem.services.run import run_job
 

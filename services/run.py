@@ -39,14 +39,12 @@ def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:
     cycle0 = ray.get(ctl.__ray_call__.remote(lambda self: self.cycle))
     bar = tqdm(total=total, initial=cycle0, desc="GRPO", unit="cycle", disable=not cfg.logging.progress, file=out)
     save_every = cfg.checkpoint.save_steps
-    first = last = None
     try:
         done = cycle0 >= total
         while not done:
             r = ray.get(ctl.step.remote())
             s = r["steps"][-1]
-            first = first if first is not None else s
-            last, done = s, r["done"]
+            done = r["done"]
             bar.set_postfix(reward=f"{s['reward']:.3f}", step_s=f"{s['cycle_s']:.2f}", v=r["version"])
             bar.update(1)
             if save_every and s["step"] % save_every < len(r["steps"]):
