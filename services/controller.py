@@ -296,6 +296,16 @@ class Controller:
             self._publish()
         return True
 
+    def shutdown(self) -> None:
+        """Stop the rollout workers (engines first, so no shared memory leaks) and the learner."""
+        for w in self.workers:
+            try:
+                self.ray.get(w.shutdown.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - a dead worker has nothing left to stop
+                pass
+            self.ray.kill(w)
+        self.learner.shutdown()
+
     def _publish(self) -> None:
         """Every worker serves the new version before the next cycle's prompts (dead ones are replaced)."""
         refs = [w.set_adapter.remote(self.version, self.adapter_ref) for w in self.workers]

@@ -57,6 +57,7 @@ def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:
         return 130
     bar.close()
     path = ray.get(ctl.save_checkpoint.remote())
+    ray.get(ctl.shutdown.remote())
     out_dir = Path(cfg.logging.output_dir)
     png = plot_run(out_dir / "metrics.jsonl", out_dir / "reward.png")
     rows = read_metrics(out_dir / "metrics.jsonl")

@@ -66,9 +66,7 @@ def test_end_to_end(ray_session, tmp_path, tiny_model, k):
     assert all(h["version"] == 3 for h in served)
     check_accounting(ctl, 16)
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 3
-    for w in ctl.workers:
-        ray_session.kill(w)
-    ctl.learner.shutdown()
+    ctl.shutdown()
 
 
 def test_killed_worker_loses_nothing(ray_session, tmp_path, tiny_model):
@@ -83,9 +81,7 @@ def test_killed_worker_loses_nothing(ray_session, tmp_path, tiny_model):
     assert ray_session.get(ctl.workers[0].health.remote())["pid"] != victim
     assert len(ctl.seen) == 5 * ctl.plan.unique_prompts
     check_accounting(ctl, 16)
-    for w in ctl.workers:
-        ray_session.kill(w)
-    ctl.learner.shutdown()
+    ctl.shutdown()
 
 
 def test_resume_continues_order_and_version(ray_session, tmp_path, tiny_model):
@@ -97,9 +93,7 @@ def test_resume_continues_order_and_version(ray_session, tmp_path, tiny_model):
     a.step()
     a.step()
     straight = Counter((e, i) for e, i, _ in a.seen)
-    for w in a.workers:
-        ray_session.kill(w)
-    a.learner.shutdown()
+    a.shutdown()
     (tmp_path / "run" / "metrics.jsonl").unlink()
     b = Controller(cfg)
     assert b.resume() and b.cycle == 2 and b.version == 2
@@ -108,6 +102,4 @@ def test_resume_continues_order_and_version(ray_session, tmp_path, tiny_model):
     r = b.step()
     assert r["version"] == 4 and r["done"]
     assert Counter((e, i) for e, i, _ in b.seen) == straight
-    for w in b.workers:
-        ray_session.kill(w)
-    b.learner.shutdown()
+    b.shutdown()
