@@ -152,3 +152,33 @@ def test_two_ranks_match_one(ray_session, tmp_path, tiny_model, loss_type):
     l1 = Learner(c1, port=free_port(), optimizer=sgd(LR))
     l1.train(groups)
     close(p2, l1.trainable_parameters())
+
+
+def test_learner_metrics_match_math_functions(tmp_path, tiny_model):
+    """The learner's reported metrics are loss_metrics/rollout stats of the same batch."""
+    from tandem.learner.advantages import compute_advantages
+    from tandem.learner.batch import Samples, collate
+    from tandem.learner.logprobs import completion_logprobs
+    from tandem.learner.loss import loss_metrics
+    from tandem.learner.model import load_policy
+
+    groups = make_groups(2, 4, seed=8)
+    cfg = job(tmp_path, tiny_model, per=8, ga=1, spg=1, grpo={"vllm_importance_sampling_correction": True,
+              "vllm_importance_sampling_cap": 1.5}, generation={"temperature": 0.8})
+    assert cfg.tis
+    got = Learner(cfg, port=free_port(), optimizer=sgd(LR)).train(groups)["steps"][0]
+    torch.manual_seed(cfg.seed)
+    model = load_policy(cfg)
+    s = Samples.from_groups(groups)
+    adv = compute_advantages(torch.from_numpy(s.rewards), 4)
+    mb = collate(s, range(8), adv, pad_id=0, mask_truncated=False)
+    with torch.no_grad():
+        logp, ent = completion_logprobs(model, mb, 0.8, with_entropy=True)
+    want = loss_metrics(logp, logp, mb["advantages"], mb["mask"], sampler_logp=mb["sampler_logp"], tis_cap=1.5,
+                        entropy=ent)
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    r = s.rewards[:, 0]
+    assert got["reward"] == pytest.approx(float(r.mean()), rel=1e-6)
+    assert got["completion_length"] == pytest.approx(sum(len(c) for c in s.completions) / 8)
+    assert got["frac_truncated"] == pytest.approx(1 - s.eos.mean())
