@@ -28,24 +28,22 @@ def selective_logprobs_reference(logits: torch.Tensor, ids: torch.Tensor, temper
     return logp, ent
 
 
-def _chunk_logprobs(h, w, ids, temperature):
-    return selective_logprobs_reference(h @ w.t(), ids, temperature)[0]
+def _chunk_logprobs(h, w, ids, temperature, with_entropy):
+    logp, ent = selective_logprobs_reference(h @ w.t(), ids, temperature, with_entropy)
+    return logp, (ent if ent is not None else logp.new_zeros(0))
 
 
 def linear_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
                               temperature: float = 1.0, chunk: int = 1024, with_entropy: bool = False):
-    """hidden [N, H], weight [V, H], ids [N] -> (logp [N] float32, entropy [N] or None)."""
+    """hidden [N, H], weight [V, H], ids [N] -> (logp [N] float32, entropy [N] or None).
+    Each chunk's logits are recomputed in backward (checkpoint), never kept."""
     outs, ents = [], []
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     for s in range(0, hidden.shape[0], chunk):
-        h, t = hidden[s:s + chunk], ids[s:s + chunk]
-        if need_grad:
-            outs.append(checkpoint(_chunk_logprobs, h, weight, t, temperature, use_reentrant=False))
-        else:
-            outs.append(_chunk_logprobs(h, weight, t, temperature))
-        if with_entropy:
-            with torch.no_grad():
-                ents.append(selective_logprobs_reference(h @ weight.t(), t, temperature, True)[1])
+        args = (hidden[s:s + chunk], weight, ids[s:s + chunk], temperature, with_entropy)
+        lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if need_grad else _chunk_logprobs(*args)
+        outs.append(lp)
+        ents.append(ent)
     logp = torch.cat(outs) if outs else hidden.new_zeros(0, dtype=torch.float32)
     return logp, (torch.cat(ents) if with_entropy and ents else None)
 

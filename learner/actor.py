@@ -223,9 +223,6 @@ class Learner:
         sd = self._gathered_state()
         return self.version, ray.put(sd)
 
-    def state_dict_for_engines(self) -> dict:
-        return self._gathered_state()
-
     def _gathered_state(self) -> dict:
         if self.cfg.cluster.zero_stage == 3:
             import deepspeed

@@ -10,7 +10,6 @@ stale): never lost, never trained on twice.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from collections import Counter, deque
@@ -324,5 +323,3 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.endswith(".tmp")
                   and (p / "tandem.json").is_file())
 
-
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
