@@ -39,14 +39,7 @@ def load_plan(path: str, overrides: list[str]) -> BatchPlan:
         raise JobConfigError(format_validation_error(e)) from None
     except ValueError as e:
         raise JobConfigError(f"invalid job: {e}") from None
-    return BatchPlan(
-        per_device_train_batch_size=batch.per_device_train_batch_size,
-        gradient_accumulation_steps=batch.gradient_accumulation_steps,
-        steps_per_generation=batch.steps_per_generation,
-        num_generations=batch.num_generations,
-        num_processes=cluster.num_processes,
-        num_iterations=grpo.num_iterations,
-    )
+    return BatchPlan.from_sections(batch, cluster.num_processes, grpo.num_iterations)
 
 
 def cmd_plan(args) -> int:

@@ -39,14 +39,18 @@ class BatchPlan:
 
     @classmethod
     def from_config(cls, cfg) -> BatchPlan:
-        b = cfg.batch
+        return cls.from_sections(cfg.batch, cfg.cluster.num_processes, cfg.grpo.num_iterations)
+
+    @classmethod
+    def from_sections(cls, b, num_processes: int, num_iterations: int) -> BatchPlan:
+        """From a resolved `batch` section (steps_per_generation filled in)."""
         return cls(
             per_device_train_batch_size=b.per_device_train_batch_size,
             gradient_accumulation_steps=b.gradient_accumulation_steps,
             steps_per_generation=b.steps_per_generation,
             num_generations=b.num_generations,
-            num_processes=cfg.cluster.num_processes,
-            num_iterations=cfg.grpo.num_iterations,
+            num_processes=num_processes,
+            num_iterations=num_iterations,
         )
 
     @property
