@@ -5,7 +5,12 @@
 `weight` [V, H] a chunk of rows at a time; backward recomputes each chunk's logits
 (activation checkpointing), so at most `chunk × V` logits exist at once.
 
-Plain PyTorch here: the reference, and the path on CPU. Triton kernels dispatch on CUDA.
+`linear_logprobs_loss(hidden, weight, ids, token_loss, ...)`: the fused form for losses that are a
+sum of per-token terms (GRPO's are): each chunk's gradients are formed in forward, so logits are
+computed once instead of twice.
+
+Plain PyTorch here: the references, and the path on CPU. Triton kernels (`triton_logprobs.py`)
+dispatch on CUDA.
 """
 
 from __future__ import annotations
@@ -48,6 +53,13 @@ def linear_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, ids: t
     return logp, (torch.cat(ents) if with_entropy and ents else None)
 
 
+def linear_logprobs_loss_reference(hidden, weight, ids, token_loss, temperature: float = 1.0, chunk: int = 1024,
+                                   with_entropy: bool = False):
+    """-> (loss = sum of token_loss(logp, 0, N), logp detached, entropy or None)."""
+    logp, ent = linear_logprobs_reference(hidden, weight, ids, temperature, chunk, with_entropy)
+    return token_loss(logp, 0, hidden.shape[0]).sum(), logp.detach(), ent
+
+
 def _triton_ready() -> bool:
     import importlib.util
 
@@ -69,3 +81,11 @@ def linear_logprobs(hidden, weight, ids, temperature=1.0, chunk=1024, with_entro
 
         return linear_logprobs_triton(hidden, weight, ids, temperature, chunk, with_entropy)
     return linear_logprobs_reference(hidden, weight, ids, temperature, chunk, with_entropy)
+
+
+def linear_logprobs_loss(hidden, weight, ids, token_loss, temperature=1.0, chunk=1024, with_entropy=False):
+    if hidden.is_cuda and _triton_ready():
+        from tandem.kernels.triton_logprobs import linear_logprobs_loss_triton
+
+        return linear_logprobs_loss_triton(hidden, weight, ids, token_loss, temperature, chunk, with_entropy)
+    return linear_logprobs_loss_reference(hidden, weight, ids, token_loss, temperature, chunk, with_entropy)

@@ -1,0 +1,257 @@
+"""Triton log-probs of chosen tokens: online log-sum-exp over vocabulary blocks, float32 inside.
+
+Two row kernels (one program per row, vocabulary walked in blocks, nothing [rows, vocab] kept):
+  _row_stats:  logits -> lse, logp of the chosen token, entropy (one read of the row)
+  _row_grad:   logits, lse, dL/dlogp -> dL/dlogits = g/T * (onehot - softmax), written in place
+
+Three entry points (the references beside them live in `logprobs.py`):
+  selective_logprobs_triton  logits exist; backward from the saved lse (no softmax stored)
+  linear_logprobs_triton     hidden @ lm_head.T a chunk of rows at a time; backward recomputes a chunk
+  linear_logprobs_loss_triton  the GRPO-style fused path: the loss's derivative per log-prob is
+                               elementwise, so each chunk's gradients are formed right after its
+                               forward; logits are computed once, backward only scales.
+
+The chunk's logits are float32 (cuBLAS accumulates in float32 and writes float32), so log-probs
+carry no bf16 rounding of the logits; dL/dlogits is then written in the weight's dtype over the
+front half of each float32 row (see _row_grad), so a chunk costs 4 bytes per logit, once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_V = 2048
+
+
+@triton.jit
+def _row_stats(z_ptr, z_stride, ids_ptr, logp_ptr, lse_ptr, ent_ptr, V, inv_t,
+               WITH_ENT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = z_ptr + row * z_stride
+    m = -float("inf")
+    s = 0.0
+    t = 0.0  # sum exp(z - m) * z, for the entropy
+    for v0 in range(0, V, BLOCK):
+        offs = v0 + tl.arange(0, BLOCK)
+        ok = offs < V
+        z = tl.load(base + offs, mask=ok, other=-float("inf")).to(tl.float32) * inv_t
+        m_new = tl.maximum(m, tl.max(z, 0))
+        scale = tl.exp(m - m_new)
+        e = tl.where(ok, tl.exp(z - m_new), 0.0)
+        s = s * scale + tl.sum(e, 0)
+        if WITH_ENT:
+            t = t * scale + tl.sum(tl.where(e > 0.0, e * tl.where(ok, z, 0.0), 0.0), 0)  # 0 * -inf = NaN
+        m = m_new
+    lse = m + tl.log(s)
+    tok = tl.load(ids_ptr + row)
+    zt = tl.load(base + tok).to(tl.float32) * inv_t
+    tl.store(lse_ptr + row, lse)
+    tl.store(logp_ptr + row, zt - lse)
+    if WITH_ENT:
+        tl.store(ent_ptr + row, lse - t / s)
+
+
+@triton.jit
+def _row_grad(z_ptr, z_stride, d_ptr, d_stride, ids_ptr, lse_ptr, g_ptr, V, inv_t, BLOCK: tl.constexpr):
+    # d may alias z (same row start, element size <= z's): each block's stores land at or before
+    # the bytes this program has already loaded, never on a block still to be read.
+    row = tl.program_id(0).to(tl.int64)
+    zb = z_ptr + row * z_stride
+    db = d_ptr + row * d_stride
+    coef = tl.load(g_ptr + row).to(tl.float32) * inv_t
+    lse = tl.load(lse_ptr + row)
+    tok = tl.load(ids_ptr + row)
+    if coef == 0.0:  # masked row: no need to read its logits
+        for v0 in range(0, V, BLOCK):
+            offs = v0 + tl.arange(0, BLOCK)
+            tl.store(db + offs, tl.zeros([BLOCK], tl.float32).to(d_ptr.dtype.element_ty), mask=offs < V)
+    else:
+        for v0 in range(0, V, BLOCK):
+            offs = v0 + tl.arange(0, BLOCK)
+            ok = offs < V
+            z = tl.load(zb + offs, mask=ok, other=0.0).to(tl.float32) * inv_t
+            d = coef * (tl.where(offs == tok, 1.0, 0.0) - tl.exp(z - lse))
+            tl.store(db + offs, d.to(d_ptr.dtype.element_ty), mask=ok)
+
+
+def _check(name, logits_or_hidden, ids, temperature):
+    if not temperature > 0:
+        raise ValueError(f"tandem.kernels.{name}: temperature = {temperature!r}; allowed > 0")
+    if ids.shape[0] != logits_or_hidden.shape[0]:
+        raise ValueError(f"tandem.kernels.{name}: {ids.shape[0]} token ids for {logits_or_hidden.shape[0]} rows")
+
+
+def _stats(z, ids, temperature, with_entropy):
+    n, V = z.shape
+    logp = torch.empty(n, dtype=torch.float32, device=z.device)
+    lse = torch.empty_like(logp)
+    ent = torch.empty_like(logp) if with_entropy else logp
+    if n:
+        _row_stats[(n,)](z, z.stride(0), ids, logp, lse, ent, V, 1.0 / temperature,
+                         WITH_ENT=with_entropy, BLOCK=BLOCK_V, num_warps=8)
+    return logp, lse, (ent if with_entropy else None)
+
+
+def _grad_into(z, out, ids, lse, g, temperature):
+    if z.shape[0]:
+        _row_grad[(z.shape[0],)](z, z.stride(0), out, out.stride(0), ids, lse, g, z.shape[1], 1.0 / temperature,
+                                 BLOCK=BLOCK_V, num_warps=8)
+    return out
+
+
+def _grad_in_place(z, ids, lse, g, temperature, dtype):
+    """dL/dlogits of a float32 chunk, written over the chunk itself as `dtype`: a [n, V] view."""
+    n, V = z.shape
+    if dtype == torch.float32:
+        out = z
+    else:  # row r's dtype values occupy the front of row r's float32 bytes (row stride kept)
+        per = z.element_size() // torch.empty(0, dtype=dtype).element_size()
+        out = torch.as_strided(z.view(dtype), (n, V), (V * per, 1))
+    return _grad_into(z, out, ids, lse, g, temperature)
+
+
+def _logits_f32(h, w):
+    """h [n, H] @ w.T in float32 out, whatever the input dtype (cuBLAS accumulates in float32)."""
+    if h.dtype == torch.float32 or not h.is_cuda:
+        return h.float() @ w.float().t()
+    return torch.mm(h, w.t(), out_dtype=torch.float32)
+
+
+def _add_grad_weight(acc, d, h):
+    """acc [V, H] float32 += d.T @ h (d, h in the weight dtype; float32 accumulate)."""
+    if acc.is_cuda and d.dtype != torch.float32:
+        torch.addmm(acc, d.t(), h, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(d.t().float(), h.float())
+
+
+# ---------------------------------------------------------------------------- selective
+
+
+class _Selective(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, ids, temperature, with_entropy):
+        logp, lse, ent = _stats(logits, ids, temperature, with_entropy)
+        ctx.save_for_backward(logits, ids, lse)
+        ctx.temperature = temperature
+        if ent is not None:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, _g_ent):
+        logits, ids, lse = ctx.saved_tensors
+        g = g_logp.float().contiguous() if g_logp is not None else torch.zeros_like(lse)
+        return _grad_into(logits, torch.empty_like(logits), ids, lse, g, ctx.temperature), None, None, None
+
+
+def selective_logprobs_triton(logits, ids, temperature=1.0, with_entropy=False):
+    """logits [N, V] (fp32/bf16/fp16) -> (logp [N] float32, entropy [N] float32 or None)."""
+    _check("selective_logprobs", logits, ids, temperature)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    return _Selective.apply(logits, ids.contiguous(), float(temperature), bool(with_entropy))
+
+
+# ---------------------------------------------------------------------------- linear
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, temperature, chunk, with_entropy):
+        parts = [_stats(_logits_f32(hidden[s:s + chunk], weight), ids[s:s + chunk], temperature, with_entropy)
+                 for s in range(0, hidden.shape[0], chunk)]
+        logp = torch.cat([p[0] for p in parts]) if parts else hidden.new_zeros(0, dtype=torch.float32)
+        lse = torch.cat([p[1] for p in parts]) if parts else logp
+        ent = (torch.cat([p[2] for p in parts]) if parts else logp.clone()) if with_entropy else None
+        ctx.save_for_backward(hidden, weight, ids, lse)
+        ctx.args = (temperature, chunk)
+        if ent is not None:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, _g_ent):
+        hidden, weight, ids, lse = ctx.saved_tensors
+        temperature, chunk = ctx.args
+        need_h, need_w = ctx.needs_input_grad[:2]
+        gh = torch.empty_like(hidden) if need_h else None
+        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        if g_logp is not None and (need_h or need_w):
+            g = g_logp.float().contiguous()
+            for s in range(0, hidden.shape[0], chunk):
+                h = hidden[s:s + chunk]
+                d = _grad_in_place(_logits_f32(h, weight), ids[s:s + chunk], lse[s:s + chunk], g[s:s + chunk],
+                                   temperature, weight.dtype)
+                if need_h:
+                    gh[s:s + chunk] = d @ weight
+                if need_w:
+                    _add_grad_weight(gw, d, h)
+        elif gh is not None:
+            gh.zero_()
+        return gh, (gw.to(weight.dtype) if gw is not None else None), None, None, None, None
+
+
+def linear_logprobs_triton(hidden, weight, ids, temperature=1.0, chunk=1024, with_entropy=False):
+    """hidden [N, H], lm_head weight [V, H], ids [N] -> (logp [N] float32, entropy [N] or None).
+    At most chunk x V float32 logits exist at a time; backward recomputes them a chunk at a time."""
+    _check("linear_logprobs", hidden, ids, temperature)
+    return _Linear.apply(hidden.contiguous(), weight.contiguous(), ids.contiguous(), float(temperature),
+                         int(chunk), bool(with_entropy))
+
+
+class _LinearLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, token_loss, temperature, chunk, with_entropy, need_h, need_w):
+        N = hidden.shape[0]
+        gh = torch.empty_like(hidden) if need_h else None
+        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        logps, ents = [], []
+        for s in range(0, N, chunk):
+            h, t = hidden[s:s + chunk], ids[s:s + chunk]
+            z = _logits_f32(h, weight)
+            logp, lse, ent = _stats(z, t, temperature, with_entropy)
+            with torch.enable_grad():
+                lp = logp.detach().requires_grad_()
+                part = token_loss(lp, s, s + h.shape[0]).sum()
+                (g,) = torch.autograd.grad(part, lp)
+            loss += part.detach().float()
+            logps.append(logp)
+            ents.append(ent)
+            if need_h or need_w:
+                d = _grad_in_place(z, t, lse, g.float().contiguous(), temperature, weight.dtype)
+                if need_h:
+                    gh[s:s + h.shape[0]] = d @ weight
+                if need_w:
+                    _add_grad_weight(gw, d, h)
+            del z
+        ctx.grads = (gh, gw.to(weight.dtype) if gw is not None else None)
+        logp = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
+        ent = (torch.cat(ents) if ents else logp.clone()) if with_entropy else None
+        ctx.mark_non_differentiable(logp)
+        if ent is not None:
+            ctx.mark_non_differentiable(ent)
+        return loss, logp, ent
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_logp, _g_ent):
+        gh, gw = ctx.grads
+        ctx.grads = None
+        # in place: the stored gradients are ours alone, and a copy would double their memory
+        gh = gh.mul_(g_loss.to(gh.dtype)) if gh is not None else None
+        gw = gw.mul_(g_loss.to(gw.dtype)) if gw is not None else None
+        return gh, gw, None, None, None, None, None, None, None
+
+
+def linear_logprobs_loss_triton(hidden, weight, ids, token_loss, temperature=1.0, chunk=1024, with_entropy=False):
+    """Fused: loss = sum_t token_loss(logp, start, end)[t] over chunks, its gradients formed in forward.
+    token_loss(logp_chunk [n] float32, start, end) -> per-token loss [n]; it must be a sum of per-token
+    terms whose other inputs are constants. -> (loss scalar, logp [N] detached, entropy or None)."""
+    _check("linear_logprobs_loss", hidden, ids, temperature)
+    loss, logp, ent = _LinearLoss.apply(hidden.contiguous(), weight.contiguous(), ids.contiguous(), token_loss,
+                                        float(temperature), int(chunk), bool(with_entropy),
+                                        hidden.requires_grad, weight.requires_grad)
+    return loss, logp.detach(), (ent.detach() if ent is not None else None)
