@@ -122,7 +122,10 @@ def _logits_f32(h, w):
 def _add_grad_weight(acc, d, h):
     """acc [V, H] float32 += d.T @ h (d, h in the weight dtype; float32 accumulate)."""
     if acc.is_cuda and d.dtype != torch.float32:
-        torch.addmm(acc, d.t(), h, out_dtype=torch.float32, out=acc)
+        try:
+            torch.addmm(acc, d.t(), h, out_dtype=torch.float32, out=acc)
+        except (TypeError, RuntimeError):  # torch without mixed-dtype addmm: a float32 temporary
+            acc += torch.mm(d.t(), h, out_dtype=torch.float32)
     else:
         acc.addmm_(d.t().float(), h.float())
 

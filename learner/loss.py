@@ -178,3 +178,32 @@ def loss_metrics(
     if entropy is not None:
         out["entropy"] = _masked_mean(_clean(entropy.float(), m), mf)
     return out
+
+
+def flat_token_loss(old_logp, advantages, mask, loss_type, *, max_completion_length=None, num_active_tokens=None,
+                    **per_token_kw):
+    """The aggregate GRPO loss as a function of flat log-prob slices, for the fused kernel path
+    (`tandem.kernels.logprobs.linear_logprobs_loss`): token_loss(logp[s:e], s, e) -> [e - s] terms
+    whose sum over all slices is `aggregate_loss(per_token_loss(...))`.
+
+    Exact because aggregate_loss is linear in the per-token loss: its weights are its gradient.
+    Needs token-level terms: importance_sampling_level="sequence" mixes tokens of a sequence.
+    """
+    if per_token_kw.get("importance_sampling_level", "token") != "token":
+        raise ValueError("flat_token_loss: importance_sampling_level must be 'token' (sequence level mixes tokens)")
+    ones = torch.ones(old_logp.shape, dtype=torch.float64, device=old_logp.device, requires_grad=True)
+    agg = aggregate_loss(ones, mask, loss_type, max_completion_length=max_completion_length,
+                         num_active_tokens=num_active_tokens)
+    (weights,) = torch.autograd.grad(agg, ones)
+    weights = weights.to(old_logp.dtype)
+    B, T = old_logp.shape
+
+    def token_loss(logp, s, e):
+        r0, r1 = s // T, -(-e // T)
+        rows = torch.zeros((r1 - r0) * T, dtype=old_logp.dtype, device=old_logp.device)
+        rows = rows.index_put((torch.arange(s - r0 * T, e - r0 * T, device=rows.device),), logp.to(rows.dtype))
+        kw = {k: (v[r0:r1] if torch.is_tensor(v) else v) for k, v in per_token_kw.items()}
+        per = per_token_loss(rows.view(-1, T), old_logp[r0:r1], advantages[r0:r1], mask[r0:r1], **kw)
+        return (per * weights[r0:r1]).reshape(-1)[s - r0 * T:e - r0 * T]
+
+    return token_loss

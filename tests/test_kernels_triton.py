@@ -6,7 +6,7 @@ Inputs are drawn fresh each run (the seed is printed in every failure message)."
 import pytest
 import torch
 from tandem.kernels import triton_logprobs as tk
-from tandem.learner.loss import aggregate_loss, per_token_loss
+from tandem.learner.loss import aggregate_loss, flat_token_loss, per_token_loss
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -134,23 +134,6 @@ def test_linear_with_tied_embedding_sums_both_uses(seed):
     assert rel(ours, ref) <= 1e-5, f"seed {seed}"
 
 
-def grpo_token_loss(old, adv, mask, loss_type="dapo", **kw):
-    """A real GRPO objective as a sum of per-token terms: the aggregate is linear in the per-token
-    loss, so its weights are the gradient of the aggregate at any point."""
-    ones = torch.ones_like(old, requires_grad=True)
-    weights = torch.autograd.grad(aggregate_loss(ones, mask, loss_type, max_completion_length=old.shape[1]), ones)[0]
-    B, T = old.shape
-
-    def token_loss(lp, s, e):
-        full = old.new_zeros(B * T).index_copy(0, torch.arange(s, e, device=old.device), lp.to(old.dtype))
-        rows = slice(s // T, -(-e // T))
-        kw_rows = {k: (v[rows] if torch.is_tensor(v) else v) for k, v in kw.items()}
-        per = per_token_loss(full.view(B, T)[rows], old[rows], adv[rows], mask[rows], **kw_rows)
-        return (per * weights[rows]).reshape(-1)[s - rows.start * T: e - rows.start * T]
-
-    return token_loss
-
-
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_loss_equals_plain_path_and_float64(seed, loss_type, dtype):
@@ -161,7 +144,7 @@ def test_fused_loss_equals_plain_path_and_float64(seed, loss_type, dtype):
     ref0, _ = float64_logprobs(h.detach().double() @ w.detach().double().t(), ids, 0.8)
     old = (ref0.view(B, T) + 0.3 * torch.randn(B, T, device=DEV, dtype=torch.float64)).float()
     kw = dict(epsilon=0.2, epsilon_high=0.28, beta=0.05, ref_logp=old - 0.1)
-    token_loss = grpo_token_loss(old, adv, mask, loss_type, **kw)
+    token_loss = flat_token_loss(old, adv, mask, loss_type, max_completion_length=T, **kw)
     loss, logp, ent = tk.linear_logprobs_loss_triton(h, w, ids, token_loss, 0.8, chunk, with_entropy=True)
     loss.backward()
     gh, gw = h.grad, w.grad

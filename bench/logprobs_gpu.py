@@ -1,0 +1,221 @@
+"""Hidden states -> chosen-token log-probs -> GRPO loss, forward + backward, on one GPU.
+
+Candidates, side by side in one process (bf16, temperature 0.7, dapo loss, epsilon 0.2):
+  naive     full bf16 logits, float32 log_softmax, gather
+  trl       TRL's selective_log_softmax for bf16: full bf16 logits, log_softmax row by row
+  chunked   chunks of 1024 rows, float32 log-softmax, recomputed in backward (Unsloth's approach)
+  compiled  torch.compile of the chunk function of `chunked`
+  liger     Liger-Kernel's LigerFusedLinearGRPOLoss
+  ours      tandem.kernels linear_logprobs (Triton) + the loss through autograd (4 matmuls)
+  fused     tandem.kernels linear_logprobs_loss: gradients formed in forward (3 matmuls); fused512:
+            the same with 512-row chunks
+and the floor: cuBLAS bf16 time of the matmuls the computation needs (logits, grad_hidden, and
+grad_weight when the lm_head trains). Time: median (triton do_bench); memory: peak allocated over
+what inputs hold, gradients included. err: max |logp - float64| over the first 1024 rows.
+
+Run on the GPU machine: python3 bench/logprobs_gpu.py [--tokens 4096,16384,32768] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import triton
+from tandem.kernels.triton_logprobs import linear_logprobs_loss_triton, linear_logprobs_triton
+from tandem.learner.loss import aggregate_loss, flat_token_loss, per_token_loss
+from torch.utils.checkpoint import checkpoint
+
+TEMP, T, EPS = 0.7, 1024, 0.2
+SHAPES = {"1.5B": (1536, 151936), "7B": (3584, 152064)}
+
+
+def loss_of(logp, old, adv, mask):
+    return aggregate_loss(per_token_loss(logp.view_as(old), old, adv, mask, epsilon=EPS), mask, "dapo")
+
+
+def naive(h, w, ids, old, adv, mask):
+    logits = (h @ w.t()).float() / TEMP
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1)
+    return loss_of(logp, old, adv, mask), logp
+
+
+def trl(h, w, ids, old, adv, mask):
+    logits = (h @ w.t()).view(old.shape[0], T, -1) / TEMP  # bf16, as TRL's model output
+    rows = [torch.log_softmax(r, -1).gather(-1, i[:, None]).squeeze(-1) for r, i in zip(logits, ids.view(-1, T))]
+    logp = torch.stack(rows).float()
+    return loss_of(logp, old, adv, mask), logp
+
+
+def _chunk(h, w, ids):
+    z = (h @ w.t()).float() / TEMP
+    return z.gather(-1, ids[:, None]).squeeze(-1) - torch.logsumexp(z, -1)
+
+
+_compiled_chunk = torch.compile(_chunk, dynamic=False)
+
+
+def _chunked_with(fn):
+    def run(h, w, ids, old, adv, mask, chunk=1024):
+        logp = torch.cat([checkpoint(fn, h[s:s + chunk], w, ids[s:s + chunk], use_reentrant=False)
+                          for s in range(0, h.shape[0], chunk)])
+        return loss_of(logp, old, adv, mask), logp
+    return run
+
+
+def ours(h, w, ids, old, adv, mask):
+    logp, _ = linear_logprobs_triton(h, w, ids, TEMP, 1024)
+    return loss_of(logp, old, adv, mask), logp
+
+
+def fused(h, w, ids, old, adv, mask, chunk=1024):
+    tl = flat_token_loss(old, adv, mask, "dapo", epsilon=EPS)
+    loss, logp, _ = linear_logprobs_loss_triton(h, w, ids, tl, TEMP, chunk)
+    return loss, logp
+
+
+def liger_candidate():
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+    except ImportError as e:
+        print("liger: not importable:", e)
+        return None
+    mod = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="dapo", temperature=TEMP,
+                                   epsilon_low=EPS, epsilon_high=EPS)
+
+    def run(h, w, ids, old, adv, mask):
+        out = mod(h.view(old.shape[0], T, -1), w, ids.view(old.shape), mask.long(), adv,
+                  old_per_token_logps=old)
+        return (out[0] if isinstance(out, tuple) else out), None
+    return run
+
+
+def float64_logp(h, w, ids, rows=1024):
+    z = (h[:rows].double() @ w.double().t()) / TEMP
+    return torch.log_softmax(z, -1).gather(-1, ids[:rows, None]).squeeze(-1)
+
+
+def measure(fn, h, w, inputs, ref_lp, ref_loss):
+    torch.cuda.synchronize()
+    h.grad = w.grad = None
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss, logp = fn(h, w, *inputs)
+    loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    err = (logp[:ref_lp.numel()].double() - ref_lp).abs().max().item() if logp is not None else float("nan")
+    loss_err = abs(loss.item() - ref_loss)
+    gh = h.grad.clone()
+    gw = w.grad.clone() if w.grad is not None else None
+
+    def step():
+        loss, _ = fn(h, w, *inputs)
+        loss.backward()
+    ms = triton.testing.do_bench(step, warmup=50, rep=300, grad_to_none=[h, w], return_mode="median")
+    h.grad = w.grad = None
+    return ms, peak / 2**30, err, loss_err, gh, gw
+
+
+def floor(N, H, V, trainable):
+    a = torch.randn(N, H, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(V, H, device="cuda", dtype=torch.bfloat16)
+    d = torch.randn(N, V, device="cuda", dtype=torch.bfloat16)
+    t = triton.testing.do_bench(lambda: a @ b.t(), return_mode="median")
+    t += triton.testing.do_bench(lambda: d @ b, return_mode="median")
+    if trainable:
+        t += triton.testing.do_bench(lambda: d.t() @ a, return_mode="median")
+    return t, (3 if trainable else 2) * 2 * N * H * V / t / 1e9  # tensors freed on return
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="4096,16384,32768")
+    ap.add_argument("--models", default="1.5B,7B")
+    ap.add_argument("--candidates", default="naive,trl,chunked,compiled,liger,ours,fused,fused512")
+    ap.add_argument("--out", default=".")
+    a = ap.parse_args()
+    torch._dynamo.config.cache_size_limit = 64
+    cands = {"naive": naive, "trl": trl, "chunked": _chunked_with(_chunk), "compiled": _chunked_with(_compiled_chunk),
+             "liger": liger_candidate(), "ours": ours, "fused": fused,
+             "fused512": lambda *x: fused(*x, chunk=512)}
+    names = [c for c in a.candidates.split(",") if cands.get(c) is not None]
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
+    rows = []
+    for model in a.models.split(","):
+        H, V = SHAPES[model]
+        for N in map(int, a.tokens.split(",")):
+            B = N // T
+            g = torch.Generator(device="cuda").manual_seed(N + H)
+            w0 = (torch.randn(V, H, device="cuda", generator=g) * 0.02).bfloat16()
+            h0 = torch.randn(N, H, device="cuda", generator=g).bfloat16()
+            ids = torch.randint(0, V, (N,), device="cuda", generator=g)
+            mask = torch.ones(B, T, device="cuda", dtype=torch.bool)
+            adv = torch.randn(B, device="cuda", generator=g)
+            ref_lp = float64_logp(h0, w0, ids)
+            with torch.no_grad():
+                lp_all, _ = linear_logprobs_triton(h0, w0, ids, TEMP, 1024)
+            old = (lp_all + 0.05 * torch.randn(N, device="cuda", generator=g)).view(B, T)
+            ref_loss = loss_of(lp_all.double(), old.double(), adv.double(), mask).item()
+            for trainable in (True, False):
+                t_floor, tflops = floor(N, H, V, trainable)
+                torch.cuda.empty_cache()
+                row = {"model": model, "tokens": N, "lm_head": "trainable" if trainable else "frozen",
+                       "floor_ms": t_floor, "floor_tflops": tflops}
+                h = h0.clone().requires_grad_()
+                w = w0.clone().requires_grad_(trainable)
+                grads = {}
+                for name in names:
+                    try:
+                        ms, gb, err, lerr, gh, gw = measure(cands[name], h, w, (ids, old, adv, mask), ref_lp, ref_loss)
+                    except torch.OutOfMemoryError:
+                        ms = gb = err = lerr = float("nan")
+                        gh = gw = None
+                        torch.cuda.empty_cache()
+                    grads[name] = (gh, gw)
+                    row[name] = {"ms": ms, "gb": gb, "err": err, "loss_err": lerr}
+                    print(f"{model} N={N} {row['lm_head']:9s} {name:9s} {ms:8.2f} ms {gb:7.2f} GB "
+                          f"err {err:.1e} loss_err {lerr:.1e}", flush=True)
+                # every candidate's gradients against naive's (float32 softmax of bf16 logits)
+                base = grads.get("naive")
+                if base and base[0] is not None:
+                    for name, (gh, gw) in grads.items():
+                        if gh is None:
+                            continue
+                        rel = lambda x, y: ((x.float() - y.float()).norm() / y.float().norm()).item()
+                        row[name]["grad_h_rel"] = rel(gh, base[0])
+                        row[name]["grad_w_rel"] = rel(gw, base[1]) if gw is not None and base[1] is not None else None
+                del grads
+                rows.append(row)
+                del h, w
+                torch.cuda.empty_cache()
+            del w0, h0
+            torch.cuda.empty_cache()
+    with open(os.path.join(a.out, "logprobs_gpu.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print(table(rows, names))
+
+
+def table(rows, names):
+    head = "| model | tokens | lm_head | floor ms | " + " | ".join(names) + " |"
+    out = [f"{time.strftime('%Y-%m-%d')}, {torch.cuda.get_device_name()}: median ms (× floor) / peak extra GB",
+           "", head, "|" + "---|" * (4 + len(names))]
+    for r in rows:
+        cells = []
+        for n in names:
+            c = r[n]
+            cells.append(f"{c['ms']:.1f} ({c['ms'] / r['floor_ms']:.2f}×) / {c['gb']:.2f}")
+        out.append(f"| {r['model']} | {r['tokens']} | {r['lm_head']} | {r['floor_ms']:.1f} | " + " | ".join(cells) + " |")
+    out += ["", "max |logp - float64| (first 1024 rows) and gradient rel. to naive:", ""]
+    for r in rows:
+        out.append(f"{r['model']} {r['tokens']} {r['lm_head']}: " + ", ".join(
+            f"{n} {r[n]['err']:.1e}" + (f" gh {r[n]['grad_h_rel']:.1e}" if r[n].get('grad_h_rel') is not None else "")
+            for n in names))
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main()
