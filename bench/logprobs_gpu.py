@@ -7,8 +7,10 @@ Candidates, side by side in one process (bf16, temperature 0.7, dapo loss, epsil
   compiled  torch.compile of the chunk function of `chunked`
   liger     Liger-Kernel's LigerFusedLinearGRPOLoss
   ours      tandem.kernels linear_logprobs (Triton) + the loss through autograd (4 matmuls)
-  fused     tandem.kernels linear_logprobs_loss: gradients formed in forward (3 matmuls); fused512:
-            the same with 512-row chunks
+  fused     tandem.kernels linear_logprobs_loss: gradients formed in forward (3 matmuls), any per-token
+            loss given as a PyTorch function (autograd per chunk)
+  grpo      tandem.kernels linear_grpo_loss: the same with the GRPO derivative inside the row kernel
+            (one launch per chunk for log-sum-exp, loss and dL/dlogits), chunk sized by memory
 and the floor: cuBLAS bf16 time of the matmuls the computation needs (logits, grad_hidden, and
 grad_weight when the lm_head trains). Time: median (triton do_bench); memory: peak allocated over
 what inputs hold, gradients included. err: max |logp - float64| over the first 1024 rows.
@@ -25,8 +27,8 @@ import time
 
 import torch
 import triton
-from tandem.kernels.triton_logprobs import linear_logprobs_loss_triton, linear_logprobs_triton
-from tandem.learner.loss import aggregate_loss, flat_token_loss, per_token_loss
+from tandem.kernels.triton_logprobs import linear_grpo_loss_triton, linear_logprobs_loss_triton, linear_logprobs_triton
+from tandem.learner.loss import aggregate_loss, flat_token_loss, per_token_loss, token_weights
 from torch.utils.checkpoint import checkpoint
 
 TEMP, T, EPS = 0.7, 1024, 0.2
@@ -77,19 +79,33 @@ def fused(h, w, ids, old, adv, mask, chunk=1024):
     return loss, logp
 
 
+def grpo(h, w, ids, old, adv, mask):
+    wt = token_weights(mask, "dapo").reshape(-1)
+    loss, logp, _ = linear_grpo_loss_triton(h, w, ids, old.reshape(-1), adv.repeat_interleave(T), wt,
+                                            temperature=TEMP, epsilon=EPS)
+    return loss, logp
+
+
 def liger_candidate():
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
     except ImportError as e:
         print("liger: not importable:", e)
         return None
-    mod = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="dapo", temperature=TEMP,
-                                   epsilon_low=EPS, epsilon_high=EPS)
+    mods = [LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="dapo", temperature=TEMP,
+                                     epsilon_low=EPS, epsilon_high=EPS, compiled=c) for c in (True, False)]
 
     def run(h, w, ids, old, adv, mask):
-        out = mod(h.view(old.shape[0], T, -1), w, ids.view(old.shape), mask.long(), adv,
-                  old_per_token_logps=old)
-        return (out[0] if isinstance(out, tuple) else out), None
+        while True:
+            try:
+                out = mods[0](h.view(old.shape[0], T, -1), w, ids.view(old.shape), mask.long(), adv,
+                              old_per_token_logps=old)
+                return (out[0] if isinstance(out, tuple) else out), None
+            except Exception as e:  # torch.compile of Liger's chunk fails on some shapes: run it eager
+                if len(mods) == 1:
+                    raise
+                print(f"liger: compiled=True failed ({type(e).__name__}); compiled=False from here", flush=True)
+                mods.pop(0)
     return run
 
 
@@ -131,17 +147,54 @@ def floor(N, H, V, trainable):
     return t, (3 if trainable else 2) * 2 * N * H * V / t / 1e9  # tensors freed on return
 
 
+def profile(N=16384, model="1.5B", chunk=1024, trainable=False):
+    """Where the grpo path's time goes: the top CUDA kernels of a few steps."""
+    H, V = SHAPES[model]
+    h = torch.randn(N, H, device="cuda").bfloat16().requires_grad_()
+    w = (torch.randn(V, H, device="cuda") * 0.02).bfloat16().requires_grad_(trainable)
+    ids = torch.randint(0, V, (N,), device="cuda")
+    old = torch.randn(N // T, T, device="cuda") - 12
+    adv, mask = torch.randn(N // T, device="cuda"), torch.ones(N // T, T, device="cuda", dtype=torch.bool)
+    for _ in range(2):
+        grpo(h, w, ids, old, adv, mask)[0].backward()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                            torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            grpo(h, w, ids, old, adv, mask)[0].backward()
+        torch.cuda.synchronize()
+    print(f"profile grpo N={N} {model} chunk={chunk} trainable={trainable}: peak extra "
+          f"{(torch.cuda.max_memory_allocated() - base) / 2**30:.2f} GB")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
+    a = torch.randn(chunk, H, device="cuda").bfloat16()
+    for name, f in [("mm bf16 out", lambda: a @ w.t()),
+                    ("mm f32 out", lambda: torch.mm(a, w.t(), out_dtype=torch.float32)),
+                    ("mm f32 out, w first", lambda: torch.mm(w, a.t(), out_dtype=torch.float32))]:
+        f()
+        torch.cuda.synchronize()
+        m0 = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        f()
+        extra = (torch.cuda.max_memory_allocated() - m0) / 2**20
+        print(f"{name:22s} {triton.testing.do_bench(f, return_mode='median'):.3f} ms  peak {extra:.0f} MiB")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="4096,16384,32768")
     ap.add_argument("--models", default="1.5B,7B")
-    ap.add_argument("--candidates", default="naive,trl,chunked,compiled,liger,ours,fused,fused512")
+    ap.add_argument("--candidates", default="naive,trl,chunked,compiled,liger,ours,fused,grpo")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
+    if a.profile:
+        profile(trainable=False)
+        profile(trainable=True)
+        return
     torch._dynamo.config.cache_size_limit = 64
     cands = {"naive": naive, "trl": trl, "chunked": _chunked_with(_chunk), "compiled": _chunked_with(_compiled_chunk),
-             "liger": liger_candidate(), "ours": ours, "fused": fused,
-             "fused512": lambda *x: fused(*x, chunk=512)}
+             "liger": liger_candidate(), "ours": ours, "fused": fused, "grpo": grpo}
     names = [c for c in a.candidates.split(",") if cands.get(c) is not None]
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
     rows = []
@@ -171,7 +224,8 @@ def main():
                 for name in names:
                     try:
                         ms, gb, err, lerr, gh, gw = measure(cands[name], h, w, (ids, old, adv, mask), ref_lp, ref_loss)
-                    except torch.OutOfMemoryError:
+                    except Exception as e:
+                        print(f"{name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                         ms = gb = err = lerr = float("nan")
                         gh = gw = None
                         torch.cuda.empty_cache()

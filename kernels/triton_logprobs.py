@@ -76,6 +76,83 @@ def _row_grad(z_ptr, z_stride, d_ptr, d_stride, ids_ptr, lse_ptr, g_ptr, V, inv_
             tl.store(db + offs, d.to(d_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _grpo_token(lp, old, adv, tis, ref, lo, hi, delta, beta, HAS_KL: tl.constexpr):
+    """GRPO per-token loss and its derivative in the log-prob (spec §4.3-4.7, loss.per_token_loss):
+    -min(min(r, delta) A, clip(r, lo, hi) A) * tis + beta * k3, r = exp(clamp(lp - old, +-20)).
+    Gradients follow torch's: clamp passes them on the closed interval, minimum splits ties."""
+    lr = lp - old
+    r = tl.exp(tl.minimum(tl.maximum(lr, -20.0), 20.0))
+    dr = tl.where(tl.abs(lr) <= 20.0, r, 0.0)  # d r / d lp
+    u = tl.minimum(r, delta)
+    du = tl.where(r <= delta, 1.0, 0.0)
+    c = tl.minimum(tl.maximum(r, lo), hi)
+    dc = tl.where((r >= lo) & (r <= hi), 1.0, 0.0)
+    ua = u * adv
+    ca = c * adv
+    val = tl.minimum(ua, ca)
+    dval = tl.where(ua < ca, du, tl.where(ua > ca, dc, 0.5 * (du + dc))) * adv
+    loss = -val * tis
+    grad = -dval * tis * dr
+    if HAS_KL:
+        dk = ref - lp
+        dkc = tl.minimum(tl.maximum(dk, -20.0), 20.0)
+        ek = tl.exp(dkc)
+        loss += beta * (ek - dkc - 1.0)
+        grad += beta * tl.where(tl.abs(dk) <= 20.0, 1.0 - ek, 0.0)
+    return loss, grad
+
+
+@triton.jit
+def _row_grpo(z_ptr, z_stride, d_ptr, d_stride, ids_ptr, logp_ptr, ent_ptr, loss_ptr,
+              old_ptr, adv_ptr, wt_ptr, tis_ptr, ref_ptr, V, inv_t, lo, hi, delta, beta,
+              HAS_KL: tl.constexpr, WITH_ENT: tl.constexpr, BLOCK: tl.constexpr):
+    """One row, both passes: log-sum-exp, then the loss's gradient written as dL/dlogits (in place)."""
+    row = tl.program_id(0).to(tl.int64)
+    zb = z_ptr + row * z_stride
+    db = d_ptr + row * d_stride
+    m = -float("inf")
+    s = 0.0
+    t = 0.0
+    for v0 in range(0, V, BLOCK):
+        offs = v0 + tl.arange(0, BLOCK)
+        ok = offs < V
+        z = tl.load(zb + offs, mask=ok, other=-float("inf")).to(tl.float32) * inv_t
+        m_new = tl.maximum(m, tl.max(z, 0))
+        scale = tl.exp(m - m_new)
+        e = tl.where(ok, tl.exp(z - m_new), 0.0)
+        s = s * scale + tl.sum(e, 0)
+        if WITH_ENT:
+            t = t * scale + tl.sum(tl.where(e > 0.0, e * tl.where(ok, z, 0.0), 0.0), 0)
+        m = m_new
+    lse = m + tl.log(s)
+    tok = tl.load(ids_ptr + row)
+    lp = tl.load(zb + tok).to(tl.float32) * inv_t - lse
+    tl.store(logp_ptr + row, lp)
+    if WITH_ENT:
+        tl.store(ent_ptr + row, lse - t / s)
+    wt = tl.load(wt_ptr + row)
+    ref = 0.0
+    if HAS_KL:
+        ref = tl.load(ref_ptr + row)
+    loss, g = _grpo_token(lp, tl.load(old_ptr + row), tl.load(adv_ptr + row), tl.load(tis_ptr + row), ref,
+                          lo, hi, delta, beta, HAS_KL)
+    # masked tokens: weight 0, and their inputs may be garbage (inf/NaN): nothing of them passes
+    tl.store(loss_ptr + row, tl.where(wt != 0.0, loss * wt, 0.0))
+    coef = tl.where(wt != 0.0, g * wt, 0.0) * inv_t
+    if coef == 0.0:
+        for v0 in range(0, V, BLOCK):
+            offs = v0 + tl.arange(0, BLOCK)
+            tl.store(db + offs, tl.zeros([BLOCK], tl.float32).to(d_ptr.dtype.element_ty), mask=offs < V)
+    else:
+        for v0 in range(0, V, BLOCK):
+            offs = v0 + tl.arange(0, BLOCK)
+            ok = offs < V
+            z = tl.load(zb + offs, mask=ok, other=0.0).to(tl.float32) * inv_t
+            d = coef * (tl.where(offs == tok, 1.0, 0.0) - tl.exp(z - lse))
+            tl.store(db + offs, d.to(d_ptr.dtype.element_ty), mask=ok)
+
+
 def _check(name, logits_or_hidden, ids, temperature):
     if not temperature > 0:
         raise ValueError(f"tandem.kernels.{name}: temperature = {temperature!r}; allowed > 0")
@@ -101,15 +178,19 @@ def _grad_into(z, out, ids, lse, g, temperature):
     return out
 
 
+def _front_view(z, dtype):
+    """A [n, V] `dtype` view over the front of each float32 row of z (row stride kept), so dL/dlogits
+    can be written over the logits they come from."""
+    if dtype == torch.float32:
+        return z
+    n, V = z.shape
+    per = z.element_size() // torch.empty(0, dtype=dtype).element_size()
+    return torch.as_strided(z.view(dtype), (n, V), (V * per, 1))
+
+
 def _grad_in_place(z, ids, lse, g, temperature, dtype):
     """dL/dlogits of a float32 chunk, written over the chunk itself as `dtype`: a [n, V] view."""
-    n, V = z.shape
-    if dtype == torch.float32:
-        out = z
-    else:  # row r's dtype values occupy the front of row r's float32 bytes (row stride kept)
-        per = z.element_size() // torch.empty(0, dtype=dtype).element_size()
-        out = torch.as_strided(z.view(dtype), (n, V), (V * per, 1))
-    return _grad_into(z, out, ids, lse, g, temperature)
+    return _grad_into(z, _front_view(z, dtype), ids, lse, g, temperature)
 
 
 def _logits_f32(h, w):
@@ -117,6 +198,13 @@ def _logits_f32(h, w):
     if h.dtype == torch.float32 or not h.is_cuda:
         return h.float() @ w.float().t()
     return torch.mm(h, w.t(), out_dtype=torch.float32)
+
+
+def _mm_into(out, d, weight):
+    if out.dtype == d.dtype == weight.dtype:
+        torch.mm(d, weight, out=out)
+    else:
+        out.copy_(d.float() @ weight.float())
 
 
 def _add_grad_weight(acc, d, h):
@@ -189,7 +277,7 @@ class _Linear(torch.autograd.Function):
                 d = _grad_in_place(_logits_f32(h, weight), ids[s:s + chunk], lse[s:s + chunk], g[s:s + chunk],
                                    temperature, weight.dtype)
                 if need_h:
-                    gh[s:s + chunk] = d @ weight
+                    _mm_into(gh[s:s + chunk], d, weight)
                 if need_w:
                     _add_grad_weight(gw, d, h)
         elif gh is not None:
@@ -203,6 +291,20 @@ def linear_logprobs_triton(hidden, weight, ids, temperature=1.0, chunk=1024, wit
     _check("linear_logprobs", hidden, ids, temperature)
     return _Linear.apply(hidden.contiguous(), weight.contiguous(), ids.contiguous(), float(temperature),
                          int(chunk), bool(with_entropy))
+
+
+def _scaled_grads(ctx, g_loss):
+    """The gradients formed in forward, times the upstream scalar (in place: they are ours alone,
+    and a copy would double their memory; skipped when it is exactly 1, the usual case)."""
+    grads, ctx.grads = ctx.grads, None
+    one = bool(g_loss == 1)
+    return tuple(g if g is None or one else g.mul_(g_loss.to(g.dtype)) for g in grads)
+
+
+def auto_chunk(V, need_weight_grad):
+    """Rows per chunk: its float32 logits within ~0.6 GiB beside a float32 grad_weight, ~1.2 GiB without."""
+    budget = (0.6 if need_weight_grad else 1.2) * 2**30
+    return max(128, int(budget // (4 * V)) // 128 * 128)
 
 
 class _LinearLoss(torch.autograd.Function):
@@ -227,9 +329,10 @@ class _LinearLoss(torch.autograd.Function):
             if need_h or need_w:
                 d = _grad_in_place(z, t, lse, g.float().contiguous(), temperature, weight.dtype)
                 if need_h:
-                    gh[s:s + h.shape[0]] = d @ weight
+                    _mm_into(gh[s:s + h.shape[0]], d, weight)
                 if need_w:
                     _add_grad_weight(gw, d, h)
+                del d  # a view of z: would keep the chunk alive
             del z
         ctx.grads = (gh, gw.to(weight.dtype) if gw is not None else None)
         logp = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
@@ -241,12 +344,7 @@ class _LinearLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, _g_logp, _g_ent):
-        gh, gw = ctx.grads
-        ctx.grads = None
-        # in place: the stored gradients are ours alone, and a copy would double their memory
-        gh = gh.mul_(g_loss.to(gh.dtype)) if gh is not None else None
-        gw = gw.mul_(g_loss.to(gw.dtype)) if gw is not None else None
-        return gh, gw, None, None, None, None, None, None, None
+        return _scaled_grads(ctx, g_loss) + (None,) * 7
 
 
 def linear_logprobs_loss_triton(hidden, weight, ids, token_loss, temperature=1.0, chunk=1024, with_entropy=False):
@@ -257,4 +355,74 @@ def linear_logprobs_loss_triton(hidden, weight, ids, token_loss, temperature=1.0
     loss, logp, ent = _LinearLoss.apply(hidden.contiguous(), weight.contiguous(), ids.contiguous(), token_loss,
                                         float(temperature), int(chunk), bool(with_entropy),
                                         hidden.requires_grad, weight.requires_grad)
+    return loss, logp.detach(), (ent.detach() if ent is not None else None)
+
+
+# ---------------------------------------------------------------------------- fused GRPO
+
+
+def _flat(x, n, name, device):
+    x = torch.as_tensor(x, device=device)
+    if x.numel() == 1 and n != 1:
+        x = x.expand(n)
+    if x.shape != (n,):
+        raise ValueError(f"tandem.kernels.linear_grpo_loss: {name} has shape {tuple(x.shape)}; needs ({n},)")
+    return x.float().contiguous()
+
+
+class _LinearGRPO(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, tok, params, chunk, with_entropy, need_h, need_w):
+        N, V = hidden.shape[0], weight.shape[0]
+        temperature, lo, hi, delta, beta = params
+        logp = torch.empty(N, dtype=torch.float32, device=hidden.device)
+        ent = torch.empty_like(logp) if with_entropy else logp
+        loss_tok = torch.empty_like(logp)
+        gh = torch.empty_like(hidden) if need_h else None
+        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        old, adv, wt, tis, ref = tok
+        for s in range(0, N, chunk):
+            e = min(s + chunk, N)
+            h = hidden[s:e]
+            z = _logits_f32(h, weight)
+            d = _front_view(z, weight.dtype)
+            _row_grpo[(e - s,)](z, z.stride(0), d, d.stride(0), ids[s:], logp[s:], ent[s:], loss_tok[s:],
+                                old[s:], adv[s:], wt[s:], tis[s:], ref[s:], V, 1.0 / temperature, lo, hi, delta,
+                                beta, HAS_KL=beta > 0, WITH_ENT=with_entropy, BLOCK=BLOCK_V, num_warps=8)
+            if need_h:
+                _mm_into(gh[s:e], d, weight)
+            if need_w:
+                _add_grad_weight(gw, d, h)
+            del z, d
+        ctx.grads = (gh, gw.to(weight.dtype) if gw is not None else None)
+        del gw
+        return loss_tok.sum(), logp, (ent if with_entropy else None)
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_logp, _g_ent):
+        return _scaled_grads(ctx, g_loss) + (None,) * 7
+
+
+def linear_grpo_loss_triton(hidden, weight, ids, old_logp, advantages, token_weight, *, temperature=1.0,
+                            epsilon=0.2, epsilon_high=None, delta=None, beta=0.0, ref_logp=None, tis=None,
+                            chunk=None, with_entropy=False):
+    """The GRPO loss straight from hidden states, its gradients formed in forward, logits computed once.
+
+    Flat per-token inputs [N] (scalars broadcast): old_logp, advantages, token_weight (the loss type's
+    normalisation, 0 on masked tokens: see learner.loss.token_weights), tis (truncated IS weight, 1 if
+    off), ref_logp (needed when beta > 0). Token-level importance ratios only. chunk None: auto_chunk.
+    -> (loss = sum_t weight_t * loss_t, logp [N] detached, entropy [N] or None)."""
+    _check("linear_grpo_loss", hidden, ids, temperature)
+    if beta > 0 and ref_logp is None:
+        raise ValueError("tandem.kernels.linear_grpo_loss: beta > 0 needs ref_logp")
+    N, dev = hidden.shape[0], hidden.device
+    tok = tuple(_flat(x, N, name, dev) for x, name in [
+        (old_logp, "old_logp"), (advantages, "advantages"), (token_weight, "token_weight"),
+        (1.0 if tis is None else tis, "tis"), (0.0 if ref_logp is None else ref_logp, "ref_logp")])
+    eps_hi = epsilon if epsilon_high is None else epsilon_high
+    params = (float(temperature), 1.0 - epsilon, 1.0 + eps_hi, float("inf") if delta is None else float(delta),
+              float(beta))
+    chunk = auto_chunk(weight.shape[0], weight.requires_grad) if chunk is None else int(chunk)
+    loss, logp, ent = _LinearGRPO.apply(hidden.contiguous(), weight.contiguous(), ids.contiguous(), tok, params,
+                                        chunk, bool(with_entropy), hidden.requires_grad, weight.requires_grad)
     return loss, logp.detach(), (ent.detach() if ent is not None else None)

@@ -180,6 +180,17 @@ def loss_metrics(
     return out
 
 
+def token_weights(mask, loss_type, *, max_completion_length=None, num_active_tokens=None):
+    """[B, T] float64 w with aggregate_loss(x) == (w * x).sum() for every per-token loss x (0 where
+    masked). aggregate_loss is linear in x, so w is its gradient, taken once at any point."""
+    ones = torch.ones(mask.shape, dtype=torch.float64, device=mask.device, requires_grad=True)
+    with torch.enable_grad():
+        agg = aggregate_loss(ones, mask, loss_type, max_completion_length=max_completion_length,
+                             num_active_tokens=num_active_tokens)
+        (w,) = torch.autograd.grad(agg, ones)
+    return w
+
+
 def flat_token_loss(old_logp, advantages, mask, loss_type, *, max_completion_length=None, num_active_tokens=None,
                     **per_token_kw):
     """The aggregate GRPO loss as a function of flat log-prob slices, for the fused kernel path
@@ -191,11 +202,8 @@ def flat_token_loss(old_logp, advantages, mask, loss_type, *, max_completion_len
     """
     if per_token_kw.get("importance_sampling_level", "token") != "token":
         raise ValueError("flat_token_loss: importance_sampling_level must be 'token' (sequence level mixes tokens)")
-    ones = torch.ones(old_logp.shape, dtype=torch.float64, device=old_logp.device, requires_grad=True)
-    agg = aggregate_loss(ones, mask, loss_type, max_completion_length=max_completion_length,
-                         num_active_tokens=num_active_tokens)
-    (weights,) = torch.autograd.grad(agg, ones)
-    weights = weights.to(old_logp.dtype)
+    weights = token_weights(mask, loss_type, max_completion_length=max_completion_length,
+                            num_active_tokens=num_active_tokens).to(old_logp.dtype)
     B, T = old_logp.shape
 
     def token_loss(logp, s, e):
