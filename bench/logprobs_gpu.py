@@ -28,7 +28,7 @@ import time
 import torch
 import triton
 from tandem.kernels.triton_logprobs import linear_grpo_loss_triton, linear_logprobs_loss_triton, linear_logprobs_triton
-from tandem.learner.loss import aggregate_loss, flat_token_loss, per_token_loss, token_weights
+from tandem.learner.loss import aggregate_loss, grpo_token_loss, per_token_loss, token_weights
 from torch.utils.checkpoint import checkpoint
 
 TEMP, T, EPS = 0.7, 1024, 0.2
@@ -74,7 +74,8 @@ def ours(h, w, ids, old, adv, mask):
 
 
 def fused(h, w, ids, old, adv, mask, chunk=1024):
-    tl = flat_token_loss(old, adv, mask, "dapo", epsilon=EPS)
+    tl = grpo_token_loss(old.reshape(-1), adv.repeat_interleave(T), token_weights(mask, "dapo").reshape(-1),
+                         epsilon=EPS)
     loss, logp, _ = linear_logprobs_loss_triton(h, w, ids, tl, TEMP, chunk)
     return loss, logp
 

@@ -67,8 +67,13 @@ def _triton_ready() -> bool:
         importlib.util.find_spec("tandem.kernels.triton_logprobs") is not None
 
 
+def triton_available(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels serve tensor t (CUDA, and triton importable)."""
+    return t.is_cuda and _triton_ready()
+
+
 def selective_logprobs(logits, ids, temperature=1.0, with_entropy=False):
-    if logits.is_cuda and _triton_ready():
+    if triton_available(logits):
         from tandem.kernels.triton_logprobs import selective_logprobs_triton
 
         return selective_logprobs_triton(logits, ids, temperature, with_entropy)
@@ -76,7 +81,7 @@ def selective_logprobs(logits, ids, temperature=1.0, with_entropy=False):
 
 
 def linear_logprobs(hidden, weight, ids, temperature=1.0, chunk=1024, with_entropy=False):
-    if hidden.is_cuda and _triton_ready():
+    if triton_available(hidden):
         from tandem.kernels.triton_logprobs import linear_logprobs_triton
 
         return linear_logprobs_triton(hidden, weight, ids, temperature, chunk, with_entropy)
@@ -84,7 +89,7 @@ def linear_logprobs(hidden, weight, ids, temperature=1.0, chunk=1024, with_entro
 
 
 def linear_logprobs_loss(hidden, weight, ids, token_loss, temperature=1.0, chunk=1024, with_entropy=False):
-    if hidden.is_cuda and _triton_ready():
+    if triton_available(hidden):
         from tandem.kernels.triton_logprobs import linear_logprobs_loss_triton
 
         return linear_logprobs_loss_triton(hidden, weight, ids, token_loss, temperature, chunk, with_entropy)

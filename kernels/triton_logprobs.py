@@ -106,7 +106,7 @@ def _grpo_token(lp, old, adv, tis, ref, lo, hi, delta, beta, HAS_KL: tl.constexp
 @triton.jit
 def _row_grpo(z_ptr, z_stride, d_ptr, d_stride, ids_ptr, logp_ptr, ent_ptr, loss_ptr,
               old_ptr, adv_ptr, wt_ptr, tis_ptr, ref_ptr, V, inv_t, lo, hi, delta, beta,
-              HAS_KL: tl.constexpr, WITH_ENT: tl.constexpr, BLOCK: tl.constexpr):
+              HAS_KL: tl.constexpr, ON_POLICY: tl.constexpr, WITH_ENT: tl.constexpr, BLOCK: tl.constexpr):
     """One row, both passes: log-sum-exp, then the loss's gradient written as dL/dlogits (in place)."""
     row = tl.program_id(0).to(tl.int64)
     zb = z_ptr + row * z_stride
@@ -135,7 +135,11 @@ def _row_grpo(z_ptr, z_stride, d_ptr, d_stride, ids_ptr, logp_ptr, ent_ptr, loss
     ref = 0.0
     if HAS_KL:
         ref = tl.load(ref_ptr + row)
-    loss, g = _grpo_token(lp, tl.load(old_ptr + row), tl.load(adv_ptr + row), tl.load(tis_ptr + row), ref,
+    if ON_POLICY:  # old = this very log-prob (detached): ratio 1
+        old = lp
+    else:
+        old = tl.load(old_ptr + row)
+    loss, g = _grpo_token(lp, old, tl.load(adv_ptr + row), tl.load(tis_ptr + row), ref,
                           lo, hi, delta, beta, HAS_KL)
     # masked tokens: weight 0, and their inputs may be garbage (inf/NaN): nothing of them passes
     tl.store(loss_ptr + row, tl.where(wt != 0.0, loss * wt, 0.0))
@@ -208,8 +212,11 @@ def _mm_into(out, d, weight):
 
 
 def _add_grad_weight(acc, d, h):
-    """acc [V, H] float32 += d.T @ h (d, h in the weight dtype; float32 accumulate)."""
-    if acc.is_cuda and d.dtype != torch.float32:
+    """acc [V, H] += d.T @ h (d, h in the weight dtype; float32 inside the product; acc float32
+    or, by choice, the weight dtype)."""
+    if acc.dtype == d.dtype:
+        acc.addmm_(d.t(), h)
+    elif acc.is_cuda:
         try:
             torch.addmm(acc, d.t(), h, out_dtype=torch.float32, out=acc)
         except (TypeError, RuntimeError):  # torch without mixed-dtype addmm: a float32 temporary
@@ -362,9 +369,10 @@ def linear_logprobs_loss_triton(hidden, weight, ids, token_loss, temperature=1.0
 
 
 def _flat(x, n, name, device):
-    x = torch.as_tensor(x, device=device)
+    if not torch.is_tensor(x):  # a fill, not a host-to-device copy (which would wait for the GPU)
+        return torch.full((n,), float(x), dtype=torch.float32, device=device)
     if x.numel() == 1 and n != 1:
-        x = x.expand(n)
+        x = x.reshape(()).expand(n)
     if x.shape != (n,):
         raise ValueError(f"tandem.kernels.linear_grpo_loss: {name} has shape {tuple(x.shape)}; needs ({n},)")
     return x.float().contiguous()
@@ -372,15 +380,18 @@ def _flat(x, n, name, device):
 
 class _LinearGRPO(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, ids, tok, params, chunk, with_entropy, need_h, need_w):
+    def forward(ctx, hidden, weight, ids, tok, params, chunk, with_entropy, need_h, need_w, gw_fp32):
         N, V = hidden.shape[0], weight.shape[0]
         temperature, lo, hi, delta, beta = params
         logp = torch.empty(N, dtype=torch.float32, device=hidden.device)
         ent = torch.empty_like(logp) if with_entropy else logp
         loss_tok = torch.empty_like(logp)
         gh = torch.empty_like(hidden) if need_h else None
-        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        gw = torch.zeros(weight.shape, dtype=torch.float32 if gw_fp32 else weight.dtype,
+                         device=weight.device) if need_w else None
         old, adv, wt, tis, ref = tok
+        on_policy = old is None
+        old = logp if on_policy else old  # a pointer the kernel never reads
         for s in range(0, N, chunk):
             e = min(s + chunk, N)
             h = hidden[s:e]
@@ -388,7 +399,8 @@ class _LinearGRPO(torch.autograd.Function):
             d = _front_view(z, weight.dtype)
             _row_grpo[(e - s,)](z, z.stride(0), d, d.stride(0), ids[s:], logp[s:], ent[s:], loss_tok[s:],
                                 old[s:], adv[s:], wt[s:], tis[s:], ref[s:], V, 1.0 / temperature, lo, hi, delta,
-                                beta, HAS_KL=beta > 0, WITH_ENT=with_entropy, BLOCK=BLOCK_V, num_warps=8)
+                                beta, HAS_KL=beta > 0, ON_POLICY=on_policy, WITH_ENT=with_entropy, BLOCK=BLOCK_V,
+                                num_warps=8)
             if need_h:
                 _mm_into(gh[s:e], d, weight)
             if need_w:
@@ -400,29 +412,35 @@ class _LinearGRPO(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, _g_logp, _g_ent):
-        return _scaled_grads(ctx, g_loss) + (None,) * 7
+        return _scaled_grads(ctx, g_loss) + (None,) * 8
 
 
 def linear_grpo_loss_triton(hidden, weight, ids, old_logp, advantages, token_weight, *, temperature=1.0,
                             epsilon=0.2, epsilon_high=None, delta=None, beta=0.0, ref_logp=None, tis=None,
-                            chunk=None, with_entropy=False):
+                            chunk=None, with_entropy=False, grad_weight_fp32=True):
     """The GRPO loss straight from hidden states, its gradients formed in forward, logits computed once.
 
-    Flat per-token inputs [N] (scalars broadcast): old_logp, advantages, token_weight (the loss type's
+    Flat per-token inputs [N] (scalars broadcast): old_logp (None: on-policy, old = logp detached,
+    ratio 1), advantages, token_weight (the loss type's
     normalisation, 0 on masked tokens: see learner.loss.token_weights), tis (truncated IS weight, 1 if
     off), ref_logp (needed when beta > 0). Token-level importance ratios only. chunk None: auto_chunk.
+    grad_weight_fp32=False accumulates a trainable lm_head's gradient in its own dtype across chunks
+    (as Liger-Kernel does): no float32 [V, H] buffer, half the read-modify-write per chunk.
     -> (loss = sum_t weight_t * loss_t, logp [N] detached, entropy [N] or None)."""
     _check("linear_grpo_loss", hidden, ids, temperature)
     if beta > 0 and ref_logp is None:
         raise ValueError("tandem.kernels.linear_grpo_loss: beta > 0 needs ref_logp")
     N, dev = hidden.shape[0], hidden.device
-    tok = tuple(_flat(x, N, name, dev) for x, name in [
-        (old_logp, "old_logp"), (advantages, "advantages"), (token_weight, "token_weight"),
-        (1.0 if tis is None else tis, "tis"), (0.0 if ref_logp is None else ref_logp, "ref_logp")])
+    tok = (None if old_logp is None else _flat(old_logp, N, "old_logp", dev),) + tuple(
+        _flat(x, N, name, dev) for x, name in [
+            (advantages, "advantages"), (token_weight, "token_weight"), (1.0 if tis is None else tis, "tis"),
+            (0.0 if ref_logp is None else ref_logp, "ref_logp")])
     eps_hi = epsilon if epsilon_high is None else epsilon_high
     params = (float(temperature), 1.0 - epsilon, 1.0 + eps_hi, float("inf") if delta is None else float(delta),
               float(beta))
-    chunk = auto_chunk(weight.shape[0], weight.requires_grad) if chunk is None else int(chunk)
+    gw_fp32 = bool(grad_weight_fp32) or weight.dtype == torch.float32
+    chunk = auto_chunk(weight.shape[0], weight.requires_grad and gw_fp32) if chunk is None else int(chunk)
     loss, logp, ent = _LinearGRPO.apply(hidden.contiguous(), weight.contiguous(), ids.contiguous(), tok, params,
-                                        chunk, bool(with_entropy), hidden.requires_grad, weight.requires_grad)
+                                        chunk, bool(with_entropy), hidden.requires_grad, weight.requires_grad,
+                                        gw_fp32)
     return loss, logp.detach(), (ent.detach() if ent is not None else None)

@@ -8,6 +8,7 @@ collective.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -20,8 +21,8 @@ import numpy as np
 import torch
 from tandem.learner.advantages import compute_advantages, total_rewards
 from tandem.learner.batch import Samples, collate
-from tandem.learner.logprobs import completion_logprobs
-from tandem.learner.loss import aggregate_loss, loss_metrics, per_token_loss
+from tandem.learner.logprobs import completion_grpo_loss, completion_logprobs
+from tandem.learner.loss import aggregate_loss, loss_metrics, per_token_loss, tis_weight, token_weights
 from tandem.learner.model import load_frozen_reference, load_policy, reference_context, trainable_state_dict
 from tandem.services.plan import BatchPlan
 
@@ -120,6 +121,17 @@ class Learner:
                 return completion_logprobs(self.model, mb, T)[0]
         return completion_logprobs(self.model, mb, T, with_entropy=with_entropy)
 
+    def _fused_loss(self, mb, old, ref, n_active):
+        """aggregate_loss(per_token_loss(...)) of the micro-batch, from hidden states in one pass."""
+        g = self.cfg.grpo
+        w = token_weights(mb["mask"], g.loss_type, max_completion_length=self.cfg.generation.max_completion_length,
+                          num_active_tokens=n_active)
+        tis = tis_weight(old, mb["sampler_logp"], mb["mask"], g.vllm_importance_sampling_cap,
+                         g.vllm_importance_sampling_mode) if self.tis else None
+        return completion_grpo_loss(self.model, mb, self.cfg.generation.temperature, w, old_logp=old, ref_logp=ref,
+                                    tis=tis, epsilon=g.epsilon, epsilon_high=g.epsilon_high, delta=g.delta,
+                                    beta=g.beta)
+
     # ------------------------------------------------------------------------------- train
 
     def train(self, groups) -> dict:
@@ -149,18 +161,22 @@ class Learner:
             for m in opt_step:
                 k = m.index % S
                 mb = mbs[k]
-                logp, ent = self._logp(mb, with_entropy=True)
-                o = old[k] if old is not None else logp.detach()
-                per = per_token_loss(
-                    logp, o, mb["advantages"], mb["mask"], epsilon=g.epsilon, epsilon_high=g.epsilon_high,
-                    delta=g.delta, importance_sampling_level=g.importance_sampling_level, beta=g.beta,
-                    ref_logp=ref[k] if ref is not None else None,
-                    sampler_logp=mb["sampler_logp"] if self.tis else None,
-                    tis_cap=g.vllm_importance_sampling_cap if self.tis else None,
-                    tis_mode=g.vllm_importance_sampling_mode)
-                loss = aggregate_loss(per, mb["mask"], g.loss_type,
-                                      max_completion_length=cfg.generation.max_completion_length,
-                                      num_active_tokens=n_active)
+                ref_k = ref[k] if ref is not None else None
+                if g.importance_sampling_level == "token":  # fused: loss and its gradient in one pass
+                    loss, logp, ent = self._fused_loss(mb, old[k] if old is not None else None, ref_k, n_active)
+                    o = old[k] if old is not None else logp
+                else:
+                    logp, ent = self._logp(mb, with_entropy=True)
+                    o = old[k] if old is not None else logp.detach()
+                    per = per_token_loss(
+                        logp, o, mb["advantages"], mb["mask"], epsilon=g.epsilon, epsilon_high=g.epsilon_high,
+                        delta=g.delta, importance_sampling_level=g.importance_sampling_level, beta=g.beta,
+                        ref_logp=ref_k, sampler_logp=mb["sampler_logp"] if self.tis else None,
+                        tis_cap=g.vllm_importance_sampling_cap if self.tis else None,
+                        tis_mode=g.vllm_importance_sampling_mode)
+                    loss = aggregate_loss(per, mb["mask"], g.loss_type,
+                                          max_completion_length=cfg.generation.max_completion_length,
+                                          num_active_tokens=n_active)
                 # Contribution of this micro-batch to the step's objective (spec §4.8), then undo
                 # DeepSpeed's 1/GA and 1/world averaging so the gradient is exactly that sum.
                 if g.loss_type != "dapo":
@@ -223,17 +239,23 @@ class Learner:
         sd = self._gathered_state()
         return self.version, ray.put(sd)
 
-    def _gathered_state(self) -> dict:
-        if self.cfg.cluster.zero_stage == 3:
-            import deepspeed
+    def _gathered(self, params):
+        """ZeRO-3 keeps a partition of each parameter: gather them whole while reading."""
+        if self.cfg.cluster.zero_stage != 3:
+            return contextlib.nullcontext()
+        import deepspeed
 
-            params = [p for p in self.model.parameters() if p.requires_grad or self.cfg.model.lora is None]
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                return {k: v.detach().clone().cpu() for k, v in trainable_state_dict(self.model).items()}
-        return {k: v.detach().clone().cpu() for k, v in trainable_state_dict(self.model).items()}
+        return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
+
+    def _gathered_state(self) -> dict:
+        params = [p for p in self.model.parameters() if p.requires_grad or self.cfg.model.lora is None]
+        with self._gathered(params):
+            return {k: v.detach().clone().cpu() for k, v in trainable_state_dict(self.model).items()}
 
     def trainable_parameters(self) -> dict:
-        return {n: p.detach().clone().float().cpu() for n, p in self.model.named_parameters() if p.requires_grad}
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        with self._gathered(p for _, p in named):
+            return {n: p.detach().clone().float().cpu() for n, p in named}
 
     def save_checkpoint(self, directory: str, extra: dict | None = None) -> str:
         """Written to `<dir>.tmp` and renamed: a crash never leaves a half checkpoint to resume from."""

@@ -1,30 +1,101 @@
 """Per-token log-probs of completion tokens: one forward over prompt + completion, hidden
-states of the completion positions only, lm_head in row chunks (kernels), logits / temperature."""
+states of the completion positions only, lm_head in row chunks (kernels), logits / temperature.
+
+`completion_grpo_loss` is the training path: only real completion tokens go through the lm_head,
+and the GRPO loss's gradient is formed chunk by chunk in the same pass (Triton on CUDA)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
-from tandem.kernels.logprobs import linear_logprobs
+from tandem.kernels.logprobs import linear_logprobs, linear_logprobs_loss, selective_logprobs, triton_available
+from tandem.learner.loss import grpo_token_loss
 from tandem.learner.model import decoder_and_head
+
+
+def _hidden(model, batch):
+    """-> (hidden [B, T, H] predicting each completion token, lm_head module)."""
+    decoder, head = decoder_and_head(model)
+    T = batch["completion_ids"].shape[1]
+    out = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                  position_ids=batch["position_ids"], use_cache=False)
+    return out.last_hidden_state[:, -T - 1:-1], head  # position t predicts token t + 1
+
+
+def _plain_weight(head):
+    """A bias-free nn.Linear head's weight, else None (LoRA on the head: call the module)."""
+    return head.weight if isinstance(head, torch.nn.Linear) and head.bias is None else None
+
+
+@contextlib.contextmanager
+def _full_weight(head):
+    """Under ZeRO-3 the head's weight is a partition: gather it and keep a detached copy, which the
+    chunked backward can still read after the gather is released (frozen head; a head that trains
+    under ZeRO-3 goes through the module, whose hooks own its gradient)."""
+    w = _plain_weight(head)
+    if w is None or getattr(w, "ds_id", None) is None:
+        yield w
+    elif w.requires_grad:
+        yield None
+    else:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([w], modifier_rank=None):
+            full = w.detach().clone()
+        yield full
+
+
+def _module_logprobs(head, hidden, ids, temperature, chunk, with_entropy):
+    parts = [selective_logprobs(head(h), t, temperature, with_entropy) for h, t in zip(hidden.split(chunk),
+                                                                                      ids.split(chunk))]
+    logp = torch.cat([p[0] for p in parts]) if parts else hidden.new_zeros(0, dtype=torch.float32)
+    return logp, (torch.cat([p[1] for p in parts]) if with_entropy and parts else None)
 
 
 def completion_logprobs(model, batch, temperature: float, *, chunk: int = 1024, with_entropy: bool = False):
     """batch: input_ids/attention_mask/position_ids [B, P+T], completion_ids [B, T].
     -> (logp [B, T] float32, entropy [B, T] or None)."""
-    decoder, head = decoder_and_head(model)
-    T = batch["completion_ids"].shape[1]
-    out = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                  position_ids=batch["position_ids"], use_cache=False)
-    hidden = out.last_hidden_state[:, -T - 1:-1]  # position t predicts token t + 1
-    B, _, H = hidden.shape
-    ids = batch["completion_ids"].reshape(-1)
-    if isinstance(head, torch.nn.Linear) and head.bias is None:
-        logp, ent = linear_logprobs(hidden.reshape(-1, H), head.weight, ids, temperature, chunk, with_entropy)
-    else:  # lm_head wrapped (e.g. LoRA on lm_head): plain chunked path through the module
-        from tandem.kernels.logprobs import selective_logprobs
-
-        parts = [selective_logprobs(head(h), t, temperature, with_entropy)
-                 for h, t in zip(hidden.reshape(-1, H).split(chunk), ids.split(chunk))]
-        logp = torch.cat([p[0] for p in parts])
-        ent = torch.cat([p[1] for p in parts]) if with_entropy else None
+    hidden, head = _hidden(model, batch)
+    B, T, H = hidden.shape
+    h, ids = hidden.reshape(-1, H), batch["completion_ids"].reshape(-1)
+    with _full_weight(head) as w:
+        if w is not None:
+            logp, ent = linear_logprobs(h, w, ids, temperature, chunk, with_entropy)
+        else:
+            logp, ent = _module_logprobs(head, h, ids, temperature, chunk, with_entropy)
     return logp.view(B, T), (ent.view(B, T) if ent is not None else None)
+
+
+def completion_grpo_loss(model, batch, temperature: float, token_weight, *, old_logp=None, ref_logp=None, tis=None,
+                         epsilon=0.2, epsilon_high=None, delta=None, beta=0.0, chunk=None):
+    """The micro-batch's GRPO loss, sum_t token_weight * loss_t (token_weight [B, T] from
+    loss.token_weights), token-level ratios. [B, T] inputs; old_logp None = on-policy.
+    -> (loss, logp [B, T] detached, entropy [B, T]; both 0 where masked)."""
+    hidden, head = _hidden(model, batch)
+    B, T, H = hidden.shape
+    idx = batch["mask"].reshape(-1).nonzero().squeeze(-1)  # real completion tokens only
+    if idx.numel() == 0:  # nothing to learn from, but DeepSpeed still needs a graph to run backward on
+        zeros = torch.zeros(B, T, device=hidden.device)
+        return hidden.sum() * 0.0, zeros, zeros
+    h = hidden.reshape(-1, H).index_select(0, idx)
+    ids = batch["completion_ids"].reshape(-1)[idx]
+    pick = lambda x: None if x is None else x.reshape(-1)[idx].float()
+    adv = batch["advantages"].float().unsqueeze(-1).expand(B, T).reshape(-1)[idx]
+    kw = dict(epsilon=epsilon, epsilon_high=epsilon_high, delta=delta, beta=beta, ref_logp=pick(ref_logp),
+              tis=pick(tis))
+    with _full_weight(head) as w:
+        if w is not None and triton_available(h):
+            from tandem.kernels.triton_logprobs import linear_grpo_loss_triton
+
+            loss, logp, ent = linear_grpo_loss_triton(h, w, ids, pick(old_logp), adv, pick(token_weight),
+                                                      temperature=temperature, chunk=chunk, with_entropy=True, **kw)
+        else:
+            token_loss = grpo_token_loss(pick(old_logp), adv, pick(token_weight), **kw)
+            if w is not None:
+                loss, logp, ent = linear_logprobs_loss(h, w, ids, token_loss, temperature, chunk or 1024, True)
+            else:
+                logp, ent = _module_logprobs(head, h, ids, temperature, chunk or 1024, True)
+                loss, logp = token_loss(logp, 0, logp.shape[0]).sum(), logp.detach()
+    full = lambda x: torch.zeros(B * T, dtype=torch.float32, device=x.device).index_copy(0, idx, x).view(B, T)
+    return loss, full(logp), full(ent)

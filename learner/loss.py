@@ -191,27 +191,29 @@ def token_weights(mask, loss_type, *, max_completion_length=None, num_active_tok
     return w
 
 
-def flat_token_loss(old_logp, advantages, mask, loss_type, *, max_completion_length=None, num_active_tokens=None,
-                    **per_token_kw):
-    """The aggregate GRPO loss as a function of flat log-prob slices, for the fused kernel path
-    (`tandem.kernels.logprobs.linear_logprobs_loss`): token_loss(logp[s:e], s, e) -> [e - s] terms
-    whose sum over all slices is `aggregate_loss(per_token_loss(...))`.
+def grpo_token_loss(old_logp, advantages, token_weight, *, epsilon=0.2, epsilon_high=None, delta=None, beta=0.0,
+                    ref_logp=None, tis=None):
+    """The GRPO loss as flat per-token terms, for `kernels.linear_logprobs_loss`: token_loss(logp[s:e],
+    s, e) -> token_weight * (surrogate * tis + beta * k3) on tokens s..e, whose sum over every slice
+    is aggregate_loss(per_token_loss(...)) when token_weight = token_weights(mask, loss_type, ...).
 
-    Exact because aggregate_loss is linear in the per-token loss: its weights are its gradient.
-    Needs token-level terms: importance_sampling_level="sequence" mixes tokens of a sequence.
+    Flat [N] inputs (any subset of a batch's tokens, token-level ratios only); old_logp None: on-policy
+    (old = logp detached); tis: the precomputed tis_weight, or None. The reference for the GRPO
+    kernel (kernels.triton_logprobs.linear_grpo_loss_triton), which computes the same in-kernel.
     """
-    if per_token_kw.get("importance_sampling_level", "token") != "token":
-        raise ValueError("flat_token_loss: importance_sampling_level must be 'token' (sequence level mixes tokens)")
-    weights = token_weights(mask, loss_type, max_completion_length=max_completion_length,
-                            num_active_tokens=num_active_tokens).to(old_logp.dtype)
-    B, T = old_logp.shape
+    def col(x, s, e):
+        return None if x is None else x[s:e, None]
 
     def token_loss(logp, s, e):
-        r0, r1 = s // T, -(-e // T)
-        rows = torch.zeros((r1 - r0) * T, dtype=old_logp.dtype, device=old_logp.device)
-        rows = rows.index_put((torch.arange(s - r0 * T, e - r0 * T, device=rows.device),), logp.to(rows.dtype))
-        kw = {k: (v[r0:r1] if torch.is_tensor(v) else v) for k, v in per_token_kw.items()}
-        per = per_token_loss(rows.view(-1, T), old_logp[r0:r1], advantages[r0:r1], mask[r0:r1], **kw)
-        return (per * weights[r0:r1]).reshape(-1)[s - r0 * T:e - r0 * T]
+        lp = logp[:, None]
+        old = lp.detach() if old_logp is None else col(old_logp, s, e)
+        w = token_weight[s:e, None].to(lp.dtype)
+        m = w != 0
+        loss = per_token_loss(lp, old, advantages[s:e], m, epsilon=epsilon, epsilon_high=epsilon_high, delta=delta)
+        if tis is not None:
+            loss = loss * col(tis, s, e).to(lp.dtype)
+        if beta > 0:
+            loss = loss + beta * k3_kl(lp, col(ref_logp, s, e), m)
+        return _clean(loss * w, m)[:, 0]
 
     return token_loss

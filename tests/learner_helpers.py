@@ -6,7 +6,7 @@ from tandem.learner.advantages import compute_advantages
 from tandem.learner.batch import Samples, collate
 from tandem.learner.logprobs import completion_logprobs
 from tandem.learner.loss import aggregate_loss, per_token_loss
-from tandem.learner.model import load_policy
+from tandem.learner.model import load_policy, reference_context
 from tandem.services.protocol import RolloutGroup, pack_completions
 
 
@@ -41,12 +41,20 @@ def reference_step(cfg, groups, lr, iterations=1):
     adv = compute_advantages(torch.from_numpy(s.rewards), cfg.batch.num_generations, g.reward_weights, g.scale_rewards)
     mb = collate(s, range(len(s)), adv, pad_id=0, mask_truncated=g.mask_truncated_completions)
     T = cfg.generation.temperature
+    kw = dict(epsilon=g.epsilon, epsilon_high=g.epsilon_high, delta=g.delta, beta=g.beta,
+              importance_sampling_level=g.importance_sampling_level)
     with torch.no_grad():
         old = completion_logprobs(model, mb, T)[0]
+        if g.beta > 0:
+            with reference_context(model):
+                kw["ref_logp"] = completion_logprobs(model, mb, T)[0]
+    if cfg.tis:
+        kw.update(sampler_logp=mb["sampler_logp"], tis_cap=g.vllm_importance_sampling_cap,
+                  tis_mode=g.vllm_importance_sampling_mode)
     for _ in range(iterations):
         logp, _ = completion_logprobs(model, mb, T)
         o = old if iterations > 1 else logp.detach()
-        per = per_token_loss(logp, o, mb["advantages"], mb["mask"], epsilon=g.epsilon)
+        per = per_token_loss(logp, o, mb["advantages"], mb["mask"], **kw)
         lt = g.loss_type
         if lt == "bnpo":  # local by definition: the mean of the per-micro-batch formula
             B = cfg.batch.per_device_train_batch_size
