@@ -10,7 +10,8 @@ Candidates, side by side in one process (bf16, temperature 0.7, dapo loss, epsil
   fused     tandem.kernels linear_logprobs_loss: gradients formed in forward (3 matmuls), any per-token
             loss given as a PyTorch function (autograd per chunk)
   grpo      tandem.kernels linear_grpo_loss: the same with the GRPO derivative inside the row kernel
-            (one launch per chunk for log-sum-exp, loss and dL/dlogits), chunk sized by memory
+            (one launch per chunk for log-sum-exp, loss and dL/dlogits), chunk sized by memory;
+            grpo_bf16acc: the same, a trainable lm_head's gradient accumulated in bf16 (as Liger does)
 and the floor: cuBLAS bf16 time of the matmuls the computation needs (logits, grad_hidden, and
 grad_weight when the lm_head trains). Time: median (triton do_bench); memory: peak allocated over
 what inputs hold, gradients included. err: max |logp - float64| over the first 1024 rows.
@@ -80,10 +81,10 @@ def fused(h, w, ids, old, adv, mask, chunk=1024):
     return loss, logp
 
 
-def grpo(h, w, ids, old, adv, mask):
+def grpo(h, w, ids, old, adv, mask, gw_fp32=True):
     wt = token_weights(mask, "dapo").reshape(-1)
     loss, logp, _ = linear_grpo_loss_triton(h, w, ids, old.reshape(-1), adv.repeat_interleave(T), wt,
-                                            temperature=TEMP, epsilon=EPS)
+                                            temperature=TEMP, epsilon=EPS, grad_weight_fp32=gw_fp32)
     return loss, logp
 
 
@@ -160,11 +161,22 @@ def profile(N=16384, model="1.5B", chunk=1024, trainable=False):
         grpo(h, w, ids, old, adv, mask)[0].backward()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
                                             torch.profiler.ProfilerActivity.CPU]) as prof:
+        t0.record()
         for _ in range(3):
             grpo(h, w, ids, old, adv, mask)[0].backward()
+        t1.record()
         torch.cuda.synchronize()
+    busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+    print(f"3 iterations: wall {t0.elapsed_time(t1):.1f} ms, kernels {busy:.1f} ms")
+    t0.record()
+    for _ in range(3):
+        grpo(h, w, ids, old, adv, mask)[0].backward()
+    t1.record()
+    torch.cuda.synchronize()
+    print(f"3 iterations unprofiled: wall {t0.elapsed_time(t1):.1f} ms")
     print(f"profile grpo N={N} {model} chunk={chunk} trainable={trainable}: peak extra "
           f"{(torch.cuda.max_memory_allocated() - base) / 2**30:.2f} GB")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
@@ -185,7 +197,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="4096,16384,32768")
     ap.add_argument("--models", default="1.5B,7B")
-    ap.add_argument("--candidates", default="naive,trl,chunked,compiled,liger,ours,fused,grpo")
+    ap.add_argument("--candidates", default="naive,trl,chunked,compiled,liger,ours,fused,grpo,grpo_bf16acc")
     ap.add_argument("--out", default=".")
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
@@ -195,7 +207,8 @@ def main():
         return
     torch._dynamo.config.cache_size_limit = 64
     cands = {"naive": naive, "trl": trl, "chunked": _chunked_with(_chunk), "compiled": _chunked_with(_compiled_chunk),
-             "liger": liger_candidate(), "ours": ours, "fused": fused, "grpo": grpo}
+             "liger": liger_candidate(), "ours": ours, "fused": fused, "grpo": grpo,
+             "grpo_bf16acc": lambda *x: grpo(*x, gw_fp32=False)}
     names = [c for c in a.candidates.split(",") if cands.get(c) is not None]
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
     rows = []
