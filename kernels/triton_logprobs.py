@@ -308,9 +308,11 @@ def _scaled_grads(ctx, g_loss):
     return tuple(g if g is None or one else g.mul_(g_loss.to(g.dtype)) for g in grads)
 
 
-def auto_chunk(V, need_weight_grad):
-    """Rows per chunk: its float32 logits within ~0.6 GiB beside a float32 grad_weight, ~1.2 GiB without."""
-    budget = (0.6 if need_weight_grad else 1.2) * 2**30
+def auto_chunk(V, H, grad_weight_bytes=0):
+    """Rows per chunk: float32 logits within max(0.6, 1.35 - grad-weight buffer) GiB, so the whole
+    extra memory stays near 1.4 GiB at vocab 152k (hidden 1536) yet chunks stay large enough for
+    full-speed matmuls and few read-modify-writes of the grad-weight buffer."""
+    budget = max(0.6 * 2**30, 1.35 * 2**30 - grad_weight_bytes)
     return max(128, int(budget // (4 * V)) // 128 * 128)
 
 
@@ -439,7 +441,8 @@ def linear_grpo_loss_triton(hidden, weight, ids, old_logp, advantages, token_wei
     params = (float(temperature), 1.0 - epsilon, 1.0 + eps_hi, float("inf") if delta is None else float(delta),
               float(beta))
     gw_fp32 = bool(grad_weight_fp32) or weight.dtype == torch.float32
-    chunk = auto_chunk(weight.shape[0], weight.requires_grad and gw_fp32) if chunk is None else int(chunk)
+    gw_bytes = weight.numel() * (4 if gw_fp32 else weight.element_size()) if weight.requires_grad else 0
+    chunk = auto_chunk(*weight.shape, gw_bytes) if chunk is None else int(chunk)
     loss, logp, ent = _LinearGRPO.apply(hidden.contiguous(), weight.contiguous(), ids.contiguous(), tok, params,
                                         chunk, bool(with_entropy), hidden.requires_grad, weight.requires_grad,
                                         gw_fp32)
