@@ -1,19 +1,20 @@
 """Triton log-probs of chosen tokens: online log-sum-exp over vocabulary blocks, float32 inside.
 
-Two row kernels (one program per row, vocabulary walked in blocks, nothing [rows, vocab] kept):
+Row kernels (one program per row, vocabulary walked in blocks, nothing [rows, vocab] kept):
   _row_stats:  logits -> lse, logp of the chosen token, entropy (one read of the row)
   _row_grad:   logits, lse, dL/dlogp -> dL/dlogits = g/T * (onehot - softmax), written in place
+  _row_grpo:   both, with the GRPO loss and its derivative computed in between (one launch)
 
-Three entry points (the references beside them live in `logprobs.py`):
-  selective_logprobs_triton  logits exist; backward from the saved lse (no softmax stored)
-  linear_logprobs_triton     hidden @ lm_head.T a chunk of rows at a time; backward recomputes a chunk
-  linear_logprobs_loss_triton  the GRPO-style fused path: the loss's derivative per log-prob is
-                               elementwise, so each chunk's gradients are formed right after its
-                               forward; logits are computed once, backward only scales.
+Entry points (the PyTorch references live in `logprobs.py` and `learner/loss.py`):
+  selective_logprobs_triton    logits exist; backward from the saved lse (no softmax stored)
+  linear_logprobs_triton       hidden @ lm_head.T a chunk of rows at a time; backward recomputes a chunk
+  linear_logprobs_loss_triton  any loss that is a sum of per-token terms (a PyTorch function): each
+                               chunk's gradients are formed right after its forward, logits computed once
+  linear_grpo_loss_triton      the same for the GRPO loss, its derivative inside _row_grpo
 
 The chunk's logits are float32 (cuBLAS accumulates in float32 and writes float32), so log-probs
 carry no bf16 rounding of the logits; dL/dlogits is then written in the weight's dtype over the
-front half of each float32 row (see _row_grad), so a chunk costs 4 bytes per logit, once.
+front half of each float32 row (_front_view), so a chunk costs 4 bytes per logit, once.
 """
 
 from __future__ import annotations
@@ -26,17 +27,15 @@ BLOCK_V = 2048
 
 
 @triton.jit
-def _row_stats(z_ptr, z_stride, ids_ptr, logp_ptr, lse_ptr, ent_ptr, V, inv_t,
-               WITH_ENT: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base = z_ptr + row * z_stride
+def _lse_pass(zb, V, inv_t, WITH_ENT: tl.constexpr, BLOCK: tl.constexpr):
+    """One read of a row of logits: (log-sum-exp, entropy or 0) of logits * inv_t, float32."""
     m = -float("inf")
     s = 0.0
     t = 0.0  # sum exp(z - m) * z, for the entropy
     for v0 in range(0, V, BLOCK):
         offs = v0 + tl.arange(0, BLOCK)
         ok = offs < V
-        z = tl.load(base + offs, mask=ok, other=-float("inf")).to(tl.float32) * inv_t
+        z = tl.load(zb + offs, mask=ok, other=-float("inf")).to(tl.float32) * inv_t
         m_new = tl.maximum(m, tl.max(z, 0))
         scale = tl.exp(m - m_new)
         e = tl.where(ok, tl.exp(z - m_new), 0.0)
@@ -45,35 +44,46 @@ def _row_stats(z_ptr, z_stride, ids_ptr, logp_ptr, lse_ptr, ent_ptr, V, inv_t,
             t = t * scale + tl.sum(tl.where(e > 0.0, e * tl.where(ok, z, 0.0), 0.0), 0)  # 0 * -inf = NaN
         m = m_new
     lse = m + tl.log(s)
-    tok = tl.load(ids_ptr + row)
-    zt = tl.load(base + tok).to(tl.float32) * inv_t
-    tl.store(lse_ptr + row, lse)
-    tl.store(logp_ptr + row, zt - lse)
-    if WITH_ENT:
-        tl.store(ent_ptr + row, lse - t / s)
+    return lse, lse - t / s
 
 
 @triton.jit
-def _row_grad(z_ptr, z_stride, d_ptr, d_stride, ids_ptr, lse_ptr, g_ptr, V, inv_t, BLOCK: tl.constexpr):
-    # d may alias z (same row start, element size <= z's): each block's stores land at or before
-    # the bytes this program has already loaded, never on a block still to be read.
-    row = tl.program_id(0).to(tl.int64)
-    zb = z_ptr + row * z_stride
-    db = d_ptr + row * d_stride
-    coef = tl.load(g_ptr + row).to(tl.float32) * inv_t
-    lse = tl.load(lse_ptr + row)
-    tok = tl.load(ids_ptr + row)
-    if coef == 0.0:  # masked row: no need to read its logits
+def _grad_pass(zb, db, coef, lse, tok, V, inv_t, BLOCK: tl.constexpr):
+    """dL/dlogits = coef * (onehot - softmax) over a row; coef 0 (masked row): zeros, logits unread.
+    db may alias zb (same row start, element size <= z's): each block's stores land at or before the
+    bytes this program has already loaded, never on a block still to be read."""
+    if coef == 0.0:
         for v0 in range(0, V, BLOCK):
             offs = v0 + tl.arange(0, BLOCK)
-            tl.store(db + offs, tl.zeros([BLOCK], tl.float32).to(d_ptr.dtype.element_ty), mask=offs < V)
+            tl.store(db + offs, tl.zeros([BLOCK], tl.float32).to(db.dtype.element_ty), mask=offs < V)
     else:
         for v0 in range(0, V, BLOCK):
             offs = v0 + tl.arange(0, BLOCK)
             ok = offs < V
             z = tl.load(zb + offs, mask=ok, other=0.0).to(tl.float32) * inv_t
             d = coef * (tl.where(offs == tok, 1.0, 0.0) - tl.exp(z - lse))
-            tl.store(db + offs, d.to(d_ptr.dtype.element_ty), mask=ok)
+            tl.store(db + offs, d.to(db.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _row_stats(z_ptr, z_stride, ids_ptr, logp_ptr, lse_ptr, ent_ptr, V, inv_t,
+               WITH_ENT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = z_ptr + row * z_stride
+    lse, ent = _lse_pass(base, V, inv_t, WITH_ENT, BLOCK)
+    tok = tl.load(ids_ptr + row)
+    tl.store(lse_ptr + row, lse)
+    tl.store(logp_ptr + row, tl.load(base + tok).to(tl.float32) * inv_t - lse)
+    if WITH_ENT:
+        tl.store(ent_ptr + row, ent)
+
+
+@triton.jit
+def _row_grad(z_ptr, z_stride, d_ptr, d_stride, ids_ptr, lse_ptr, g_ptr, V, inv_t, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    coef = tl.load(g_ptr + row).to(tl.float32) * inv_t
+    _grad_pass(z_ptr + row * z_stride, d_ptr + row * d_stride, coef, tl.load(lse_ptr + row), tl.load(ids_ptr + row),
+               V, inv_t, BLOCK)
 
 
 @triton.jit
@@ -110,27 +120,12 @@ def _row_grpo(z_ptr, z_stride, d_ptr, d_stride, ids_ptr, logp_ptr, ent_ptr, loss
     """One row, both passes: log-sum-exp, then the loss's gradient written as dL/dlogits (in place)."""
     row = tl.program_id(0).to(tl.int64)
     zb = z_ptr + row * z_stride
-    db = d_ptr + row * d_stride
-    m = -float("inf")
-    s = 0.0
-    t = 0.0
-    for v0 in range(0, V, BLOCK):
-        offs = v0 + tl.arange(0, BLOCK)
-        ok = offs < V
-        z = tl.load(zb + offs, mask=ok, other=-float("inf")).to(tl.float32) * inv_t
-        m_new = tl.maximum(m, tl.max(z, 0))
-        scale = tl.exp(m - m_new)
-        e = tl.where(ok, tl.exp(z - m_new), 0.0)
-        s = s * scale + tl.sum(e, 0)
-        if WITH_ENT:
-            t = t * scale + tl.sum(tl.where(e > 0.0, e * tl.where(ok, z, 0.0), 0.0), 0)
-        m = m_new
-    lse = m + tl.log(s)
+    lse, ent = _lse_pass(zb, V, inv_t, WITH_ENT, BLOCK)
     tok = tl.load(ids_ptr + row)
     lp = tl.load(zb + tok).to(tl.float32) * inv_t - lse
     tl.store(logp_ptr + row, lp)
     if WITH_ENT:
-        tl.store(ent_ptr + row, lse - t / s)
+        tl.store(ent_ptr + row, ent)
     wt = tl.load(wt_ptr + row)
     ref = 0.0
     if HAS_KL:
@@ -144,17 +139,7 @@ def _row_grpo(z_ptr, z_stride, d_ptr, d_stride, ids_ptr, logp_ptr, ent_ptr, loss
     # masked tokens: weight 0, and their inputs may be garbage (inf/NaN): nothing of them passes
     tl.store(loss_ptr + row, tl.where(wt != 0.0, loss * wt, 0.0))
     coef = tl.where(wt != 0.0, g * wt, 0.0) * inv_t
-    if coef == 0.0:
-        for v0 in range(0, V, BLOCK):
-            offs = v0 + tl.arange(0, BLOCK)
-            tl.store(db + offs, tl.zeros([BLOCK], tl.float32).to(d_ptr.dtype.element_ty), mask=offs < V)
-    else:
-        for v0 in range(0, V, BLOCK):
-            offs = v0 + tl.arange(0, BLOCK)
-            ok = offs < V
-            z = tl.load(zb + offs, mask=ok, other=0.0).to(tl.float32) * inv_t
-            d = coef * (tl.where(offs == tok, 1.0, 0.0) - tl.exp(z - lse))
-            tl.store(db + offs, d.to(d_ptr.dtype.element_ty), mask=ok)
+    _grad_pass(zb, d_ptr + row * d_stride, coef, lse, tok, V, inv_t, BLOCK)
 
 
 def _check(name, logits_or_hidden, ids, temperature):
@@ -363,7 +348,8 @@ def linear_logprobs_loss_triton(hidden, weight, ids, token_loss, temperature=1.0
     _check("linear_logprobs_loss", hidden, ids, temperature)
     loss, logp, ent = _LinearLoss.apply(hidden.contiguous(), weight.contiguous(), ids.contiguous(), token_loss,
                                         float(temperature), int(chunk), bool(with_entropy),
-                                        hidden.requires_grad, weight.requires_grad)
+                                        hidden.requires_grad and torch.is_grad_enabled(),
+                                        weight.requires_grad and torch.is_grad_enabled())
     return loss, logp.detach(), (ent.detach() if ent is not None else None)
 
 
@@ -444,6 +430,7 @@ def linear_grpo_loss_triton(hidden, weight, ids, old_logp, advantages, token_wei
     gw_bytes = weight.numel() * (4 if gw_fp32 else weight.element_size()) if weight.requires_grad else 0
     chunk = auto_chunk(*weight.shape, gw_bytes) if chunk is None else int(chunk)
     loss, logp, ent = _LinearGRPO.apply(hidden.contiguous(), weight.contiguous(), ids.contiguous(), tok, params,
-                                        chunk, bool(with_entropy), hidden.requires_grad, weight.requires_grad,
+                                        chunk, bool(with_entropy), hidden.requires_grad and torch.is_grad_enabled(),
+                                        weight.requires_grad and torch.is_grad_enabled(),
                                         gw_fp32)
     return loss, logp.detach(), (ent.detach() if ent is not None else None)
