@@ -125,7 +125,7 @@ def measure(fn, h, w, inputs, ref_lp, ref_loss):
     loss.backward()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    err = (logp[:ref_lp.numel()].double() - ref_lp).abs().max().item() if logp is not None else float("nan")
+    err = (logp.reshape(-1)[:ref_lp.numel()].double() - ref_lp).abs().max().item() if logp is not None else float("nan")
     loss_err = abs(loss.item() - ref_loss)
     gh = h.grad.clone()
     gw = w.grad.clone() if w.grad is not None else None
