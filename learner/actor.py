@@ -121,6 +121,14 @@ class Learner:
                 return completion_logprobs(self.model, mb, T)[0]
         return completion_logprobs(self.model, mb, T, with_entropy=with_entropy)
 
+    def _begin_micro_step(self):
+        """What DeepSpeed's engine.forward does first, which we bypass (we call the decoder, not the
+        whole LM, to get hidden states): ZeRO-3 counts micro-steps there, and without it every
+        micro-step's gradient overwrites the last instead of adding to it."""
+        clear = getattr(self.engine.optimizer, "clear_backward_seen_flag", None)
+        if clear is not None:
+            clear()
+
     def _fused_loss(self, mb, old, ref, n_active):
         """aggregate_loss(per_token_loss(...)) of the micro-batch, from hidden states in one pass."""
         g = self.cfg.grpo
@@ -162,6 +170,7 @@ class Learner:
                 k = m.index % S
                 mb = mbs[k]
                 ref_k = ref[k] if ref is not None else None
+                self._begin_micro_step()
                 if g.importance_sampling_level == "token":  # fused: loss and its gradient in one pass
                     loss, logp, ent = self._fused_loss(mb, old[k] if old is not None else None, ref_k, n_active)
                     o = old[k] if old is not None else logp
