@@ -80,7 +80,12 @@ def test_zero3_with_reference_and_two_epochs_matches_whole_batch(tmp_path, tiny_
     cfg = job(tmp_path, tiny_model, per=4, ga=2, spg=2, mu=2, zero=3, grpo={"beta": 0.1})
     lr = Learner(cfg, port=free_port(), optimizer=sgd(LR))
     lr.train(groups)
-    close(lr.trainable_parameters(), reference_step(cfg, groups, LR, iterations=2))
+    params = lr.trainable_parameters()
+    close(params, reference_step(cfg, groups, LR, iterations=2))
+    # what the rollout workers receive: the whole adapter, not this rank's partition
+    sd = lr._gathered_state()
+    assert sd
+    close({k: v.float() for k, v in sd.items()}, {k: params[k.replace(".weight", ".default.weight")] for k in sd})
 
 
 def test_two_ppo_epochs_match_hand_rolled_loop(tmp_path, tiny_model):
