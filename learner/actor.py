@@ -129,6 +129,16 @@ class Learner:
         if clear is not None:
             clear()
 
+    def _grad_norm_before_step(self):
+        """Global norm of the step's gradient before clipping (TRL's grad_norm) where DeepSpeed keeps
+        none: without ZeRO in float32 it clips without keeping the norm. Taken after the boundary
+        backward has all-reduced the gradients and before step() applies them; None elsewhere."""
+        e = self.engine
+        if e.zero_optimization() or e.fp16_enabled() or e.bfloat16_enabled():
+            return None
+        norms = [torch.linalg.vector_norm(p.grad.float()) for p in self.model.parameters() if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
     def _fused_loss(self, mb, old, ref, n_active):
         """aggregate_loss(per_token_loss(...)) of the micro-batch, from hidden states in one pass."""
         g = self.cfg.grpo
@@ -194,6 +204,8 @@ class Learner:
                     raise FloatingPointError(f"Learner.train: non-finite loss {float(loss)} at micro-step {m.index}; "
                                              "weights not updated")
                 self.engine.backward(loss * (GA * W))
+                if self.engine.is_gradient_accumulation_boundary():
+                    grad_norm = self._grad_norm_before_step()
                 self.engine.step()
                 loss_sum += float(loss.detach())
                 mm = loss_metrics(logp.detach(), o, mb["advantages"], mb["mask"], epsilon=g.epsilon,
@@ -206,7 +218,7 @@ class Learner:
             self.steps += 1
             step_metrics.append(self._reduce(acc, loss_sum) | {
                 "step": self.steps, "lr": self.scheduler.get_last_lr()[0],
-                "grad_norm": float(self.engine.get_global_grad_norm() or 0.0)})
+                "grad_norm": grad_norm if grad_norm is not None else float(self.engine.get_global_grad_norm() or 0.0)})
         self.version += 1
         batch_stats = rollout_stats(s, plan.num_generations, g.reward_weights, self.version - 1)
         for sm in step_metrics:

@@ -44,10 +44,14 @@ def test_accumulation_matches_whole_batch(tmp_path, tiny_model, loss_type, zero)
     groups = make_groups(2, 4, seed=1)  # 8 samples, unequal lengths
     c4 = job(tmp_path, tiny_model, per=2, ga=4, spg=4, loss_type=loss_type, zero=zero)
     l4 = Learner(c4, port=free_port(), optimizer=sgd(LR))
-    l4.train(groups)
+    before = l4.trainable_parameters()
+    step = l4.train(groups)["steps"][0]
     got = {k.removeprefix("module."): v for k, v in l4.trainable_parameters().items()}
     want = reference_step(c4, groups, LR)
     close(got, want)
+    # grad_norm is the norm of the gradient the step applied (SGD: delta / lr), at every ZeRO stage
+    g = torch.cat([(before[k] - got[k.removeprefix("module.")]).flatten() for k in before]) / LR
+    assert step["grad_norm"] == pytest.approx(float(g.norm()), rel=1e-4)
     if loss_type == "bnpo":  # local normalisation really differs from dapo here
         other = reference_step(job(tmp_path, tiny_model, per=2, ga=4, spg=4, loss_type="dapo"), groups, LR)
         assert any(not torch.allclose(want[k], other[k], atol=1e-6) for k in want)
