@@ -142,7 +142,9 @@ def _row_grpo(z_ptr, z_stride, d_ptr, d_stride, ids_ptr, logp_ptr, ent_ptr, loss
     _grad_pass(zb, d_ptr + row * d_stride, coef, lse, tok, V, inv_t, BLOCK)
 
 
-def _check(name, logits_or_hidden, ids, temperature):
+def _check(name, logits_or_hidden, ids, temperature, chunk=1):
+    if chunk is not None and not (isinstance(chunk, int) and chunk >= 1):
+        raise ValueError(f"tandem.kernels.{name}: chunk = {chunk!r}; allowed a whole number of rows >= 1")
     if not temperature > 0:
         raise ValueError(f"tandem.kernels.{name}: temperature = {temperature!r}; allowed > 0")
     if ids.shape[0] != logits_or_hidden.shape[0]:
@@ -280,7 +282,7 @@ class _Linear(torch.autograd.Function):
 def linear_logprobs_triton(hidden, weight, ids, temperature=1.0, chunk=1024, with_entropy=False):
     """hidden [N, H], lm_head weight [V, H], ids [N] -> (logp [N] float32, entropy [N] or None).
     At most chunk x V float32 logits exist at a time; backward recomputes them a chunk at a time."""
-    _check("linear_logprobs", hidden, ids, temperature)
+    _check("linear_logprobs", hidden, ids, temperature, chunk)
     return _Linear.apply(hidden.contiguous(), weight.contiguous(), ids.contiguous(), float(temperature),
                          int(chunk), bool(with_entropy))
 
@@ -345,7 +347,7 @@ def linear_logprobs_loss_triton(hidden, weight, ids, token_loss, temperature=1.0
     """Fused: loss = sum_t token_loss(logp, start, end)[t] over chunks, its gradients formed in forward.
     token_loss(logp_chunk [n] float32, start, end) -> per-token loss [n]; it must be a sum of per-token
     terms whose other inputs are constants. -> (loss scalar, logp [N] detached, entropy or None)."""
-    _check("linear_logprobs_loss", hidden, ids, temperature)
+    _check("linear_logprobs_loss", hidden, ids, temperature, chunk)
     loss, logp, ent = _LinearLoss.apply(hidden.contiguous(), weight.contiguous(), ids.contiguous(), token_loss,
                                         float(temperature), int(chunk), bool(with_entropy),
                                         hidden.requires_grad and torch.is_grad_enabled(),
@@ -415,7 +417,7 @@ def linear_grpo_loss_triton(hidden, weight, ids, old_logp, advantages, token_wei
     grad_weight_fp32=False accumulates a trainable lm_head's gradient in its own dtype across chunks
     (as Liger-Kernel does): no float32 [V, H] buffer, half the read-modify-write per chunk.
     -> (loss = sum_t weight_t * loss_t, logp [N] detached, entropy [N] or None)."""
-    _check("linear_grpo_loss", hidden, ids, temperature)
+    _check("linear_grpo_loss", hidden, ids, temperature, chunk)
     if beta > 0 and ref_logp is None:
         raise ValueError("tandem.kernels.linear_grpo_loss: beta > 0 needs ref_logp")
     N, dev = hidden.shape[0], hidden.device

@@ -182,6 +182,10 @@ def test_bad_temperature_and_row_mismatch_are_named():
         tk.linear_logprobs_triton(h, w, ids, 0)
     with pytest.raises(ValueError, match="3 token ids for 4 rows"):
         tk.selective_logprobs_triton(h @ w.t(), ids[:3])
+    with pytest.raises(ValueError, match="linear_grpo_loss: chunk = 0; allowed"):
+        tk.linear_grpo_loss_triton(h, w, ids, None, 1.0, 1.0, chunk=0)
+    with pytest.raises(ValueError, match="linear_grpo_loss: advantages has shape \\(3,\\); needs \\(4,\\)"):
+        tk.linear_grpo_loss_triton(h, w, ids, None, torch.ones(3), 1.0)
 
 
 @pytest.mark.skipif(not CUDA, reason="real sizes need the GPU (run on the device machine)")
