@@ -198,6 +198,20 @@ def _mm_into(out, d, weight):
         out.copy_(d.float() @ weight.float())
 
 
+def _backprop_chunk(d, h, weight, gh, gw):
+    """A chunk's dL/dlogits d [n, V] into grad_hidden rows gh [n, H] and the grad-weight buffer gw
+    (either may be None)."""
+    if gh is not None:
+        _mm_into(gh, d, weight)
+    if gw is not None:
+        _add_grad_weight(gw, d, h)
+
+
+def _grad_weight_buffer(weight, need_w, fp32=True):
+    return torch.zeros(weight.shape, dtype=torch.float32 if fp32 else weight.dtype,
+                       device=weight.device) if need_w else None
+
+
 def _add_grad_weight(acc, d, h):
     """acc [V, H] += d.T @ h (d, h in the weight dtype; float32 inside the product; acc float32
     or, by choice, the weight dtype)."""
@@ -263,17 +277,15 @@ class _Linear(torch.autograd.Function):
         temperature, chunk = ctx.args
         need_h, need_w = ctx.needs_input_grad[:2]
         gh = torch.empty_like(hidden) if need_h else None
-        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        gw = _grad_weight_buffer(weight, need_w)
         if g_logp is not None and (need_h or need_w):
             g = g_logp.float().contiguous()
             for s in range(0, hidden.shape[0], chunk):
                 h = hidden[s:s + chunk]
                 d = _grad_in_place(_logits_f32(h, weight), ids[s:s + chunk], lse[s:s + chunk], g[s:s + chunk],
                                    temperature, weight.dtype)
-                if need_h:
-                    _mm_into(gh[s:s + chunk], d, weight)
-                if need_w:
-                    _add_grad_weight(gw, d, h)
+                _backprop_chunk(d, h, weight, gh[s:s + chunk] if need_h else None, gw)
+                del d  # a view of this chunk's logits: free them before the next chunk's are made
         elif gh is not None:
             gh.zero_()
         return gh, (gw.to(weight.dtype) if gw is not None else None), None, None, None, None
@@ -287,6 +299,10 @@ def linear_logprobs_triton(hidden, weight, ids, temperature=1.0, chunk=1024, wit
                          int(chunk), bool(with_entropy))
 
 
+def _keep_grads(ctx, gh, gw, weight):
+    ctx.grads = (gh, gw.to(weight.dtype) if gw is not None else None)
+
+
 def _scaled_grads(ctx, g_loss):
     """The gradients formed in forward, times the upstream scalar (in place: they are ours alone,
     and a copy would double their memory; skipped when it is exactly 1, the usual case)."""
@@ -295,7 +311,7 @@ def _scaled_grads(ctx, g_loss):
     return tuple(g if g is None or one else g.mul_(g_loss.to(g.dtype)) for g in grads)
 
 
-def auto_chunk(V, H, grad_weight_bytes=0):
+def auto_chunk(V, grad_weight_bytes=0):
     """Rows per chunk: float32 logits within max(0.6, 1.35 - grad-weight buffer) GiB, so the whole
     extra memory stays near 1.4 GiB at vocab 152k (hidden 1536) yet chunks stay large enough for
     full-speed matmuls and few read-modify-writes of the grad-weight buffer."""
@@ -308,7 +324,7 @@ class _LinearLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, ids, token_loss, temperature, chunk, with_entropy, need_h, need_w):
         N = hidden.shape[0]
         gh = torch.empty_like(hidden) if need_h else None
-        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        gw = _grad_weight_buffer(weight, need_w)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         logps, ents = [], []
         for s in range(0, N, chunk):
@@ -324,13 +340,10 @@ class _LinearLoss(torch.autograd.Function):
             ents.append(ent)
             if need_h or need_w:
                 d = _grad_in_place(z, t, lse, g.float().contiguous(), temperature, weight.dtype)
-                if need_h:
-                    _mm_into(gh[s:s + h.shape[0]], d, weight)
-                if need_w:
-                    _add_grad_weight(gw, d, h)
+                _backprop_chunk(d, h, weight, gh[s:s + h.shape[0]] if need_h else None, gw)
                 del d  # a view of z: would keep the chunk alive
             del z
-        ctx.grads = (gh, gw.to(weight.dtype) if gw is not None else None)
+        _keep_grads(ctx, gh, gw, weight)
         logp = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=torch.float32)
         ent = (torch.cat(ents) if ents else logp.clone()) if with_entropy else None
         ctx.mark_non_differentiable(logp)
@@ -377,8 +390,7 @@ class _LinearGRPO(torch.autograd.Function):
         ent = torch.empty_like(logp) if with_entropy else logp
         loss_tok = torch.empty_like(logp)
         gh = torch.empty_like(hidden) if need_h else None
-        gw = torch.zeros(weight.shape, dtype=torch.float32 if gw_fp32 else weight.dtype,
-                         device=weight.device) if need_w else None
+        gw = _grad_weight_buffer(weight, need_w, gw_fp32)
         old, adv, wt, tis, ref = tok
         on_policy = old is None
         old = logp if on_policy else old  # a pointer the kernel never reads
@@ -391,12 +403,9 @@ class _LinearGRPO(torch.autograd.Function):
                                 old[s:], adv[s:], wt[s:], tis[s:], ref[s:], V, 1.0 / temperature, lo, hi, delta,
                                 beta, HAS_KL=beta > 0, ON_POLICY=on_policy, WITH_ENT=with_entropy, BLOCK=BLOCK_V,
                                 num_warps=8)
-            if need_h:
-                _mm_into(gh[s:e], d, weight)
-            if need_w:
-                _add_grad_weight(gw, d, h)
+            _backprop_chunk(d, h, weight, gh[s:e] if need_h else None, gw)
             del z, d
-        ctx.grads = (gh, gw.to(weight.dtype) if gw is not None else None)
+        _keep_grads(ctx, gh, gw, weight)
         del gw
         return loss_tok.sum(), logp, (ent if with_entropy else None)
 
@@ -411,9 +420,9 @@ def linear_grpo_loss_triton(hidden, weight, ids, old_logp, advantages, token_wei
     """The GRPO loss straight from hidden states, its gradients formed in forward, logits computed once.
 
     Flat per-token inputs [N] (scalars broadcast): old_logp (None: on-policy, old = logp detached,
-    ratio 1), advantages, token_weight (the loss type's
-    normalisation, 0 on masked tokens: see learner.loss.token_weights), tis (truncated IS weight, 1 if
-    off), ref_logp (needed when beta > 0). Token-level importance ratios only. chunk None: auto_chunk.
+    ratio 1), advantages, token_weight (the loss type's normalisation, 0 on masked tokens: see
+    learner.loss.token_weights), tis (truncated IS weight, 1 if off), ref_logp (needed when beta > 0).
+    Token-level importance ratios only. chunk None: auto_chunk.
     grad_weight_fp32=False accumulates a trainable lm_head's gradient in its own dtype across chunks
     (as Liger-Kernel does): no float32 [V, H] buffer, half the read-modify-write per chunk.
     -> (loss = sum_t weight_t * loss_t, logp [N] detached, entropy [N] or None)."""
@@ -430,7 +439,7 @@ def linear_grpo_loss_triton(hidden, weight, ids, old_logp, advantages, token_wei
               float(beta))
     gw_fp32 = bool(grad_weight_fp32) or weight.dtype == torch.float32
     gw_bytes = weight.numel() * (4 if gw_fp32 else weight.element_size()) if weight.requires_grad else 0
-    chunk = auto_chunk(*weight.shape, gw_bytes) if chunk is None else int(chunk)
+    chunk = auto_chunk(weight.shape[0], gw_bytes) if chunk is None else int(chunk)
     loss, logp, ent = _LinearGRPO.apply(hidden.contiguous(), weight.contiguous(), ids.contiguous(), tok, params,
                                         chunk, bool(with_entropy), hidden.requires_grad and torch.is_grad_enabled(),
                                         weight.requires_grad and torch.is_grad_enabled(),
