@@ -13,8 +13,9 @@ Candidates, side by side in one process (bf16, temperature 0.7, dapo loss, epsil
             (one launch per chunk for log-sum-exp, loss and dL/dlogits), chunk sized by memory;
             grpo_bf16acc: the same, a trainable lm_head's gradient accumulated in bf16 (as Liger does)
 and the floor: cuBLAS bf16 time of the matmuls the computation needs (logits, grad_hidden, and
-grad_weight when the lm_head trains). Time: median (triton do_bench); memory: peak allocated over
-what inputs hold, gradients included. err: max |logp - float64| over the first 1024 rows.
+grad_weight when the lm_head trains), measured before and after the candidates (the H200's clock
+falls under sustained load) and averaged. Time: median (triton do_bench); memory: peak allocated
+over what inputs hold, gradients included. err: max |logp - float64| over the first 1024 rows.
 
 Run on the GPU machine: python3 bench/logprobs_gpu.py [--tokens 4096,16384,32768] [--out DIR]
 """
@@ -81,10 +82,10 @@ def fused(h, w, ids, old, adv, mask, chunk=1024):
     return loss, logp
 
 
-def grpo(h, w, ids, old, adv, mask, gw_fp32=True):
+def grpo(h, w, ids, old, adv, mask, gw_fp32=True, chunk=None):
     wt = token_weights(mask, "dapo").reshape(-1)
     loss, logp, _ = linear_grpo_loss_triton(h, w, ids, old.reshape(-1), adv.repeat_interleave(T), wt,
-                                            temperature=TEMP, epsilon=EPS, grad_weight_fp32=gw_fp32)
+                                            temperature=TEMP, epsilon=EPS, grad_weight_fp32=gw_fp32, chunk=chunk)
     return loss, logp
 
 
@@ -205,6 +206,10 @@ def main():
     cands = {"naive": naive, "trl": trl, "chunked": _chunked_with(_chunk), "compiled": _chunked_with(_compiled_chunk),
              "liger": liger_candidate(), "ours": ours, "fused": fused, "grpo": grpo,
              "grpo_bf16acc": lambda *x: grpo(*x, gw_fp32=False)}
+    for c in a.candidates.split(","):  # grpo@2048: grpo with a fixed chunk of rows
+        base, _, rows_ = c.partition("@")
+        if rows_ and base in ("grpo", "grpo_bf16acc"):
+            cands[c] = lambda *x, r=int(rows_), fp32=base == "grpo": grpo(*x, gw_fp32=fp32, chunk=r)
     names = [c for c in a.candidates.split(",") if cands.get(c) is not None]
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
     rows = []
@@ -253,18 +258,21 @@ def main():
                         row[name]["grad_h_rel"] = rel(gh, base[0])
                         row[name]["grad_w_rel"] = rel(gw, base[1]) if gw is not None and base[1] is not None else None
                 del grads
+                # the clock drifts with power and heat: the floor is measured before and after the candidates
+                t_after, _ = floor(N, H, V, trainable)
+                row.update(floor_before_ms=t_floor, floor_after_ms=t_after, floor_ms=(t_floor + t_after) / 2)
                 rows.append(row)
+                with open(os.path.join(a.out, "logprobs_gpu.json"), "w") as f:  # kept if the run is cut short
+                    json.dump(rows, f, indent=1)
                 del h, w
                 torch.cuda.empty_cache()
             del w0, h0
             torch.cuda.empty_cache()
-    with open(os.path.join(a.out, "logprobs_gpu.json"), "w") as f:
-        json.dump(rows, f, indent=1)
     print(table(rows, names))
 
 
 def table(rows, names):
-    head = "| model | tokens | lm_head | floor ms | " + " | ".join(names) + " |"
+    head = "| model | tokens | lm_head | floor ms (before/after) | " + " | ".join(names) + " |"
     out = [f"{time.strftime('%Y-%m-%d')}, {torch.cuda.get_device_name()}: median ms (× floor) / peak extra GB",
            "", head, "|" + "---|" * (4 + len(names))]
     for r in rows:
@@ -272,7 +280,8 @@ def table(rows, names):
         for n in names:
             c = r[n]
             cells.append(f"{c['ms']:.1f} ({c['ms'] / r['floor_ms']:.2f}×) / {c['gb']:.2f}")
-        out.append(f"| {r['model']} | {r['tokens']} | {r['lm_head']} | {r['floor_ms']:.1f} | " + " | ".join(cells) + " |")
+        fl = f"{r['floor_ms']:.1f}" + (f" ({r['floor_before_ms']:.1f}/{r['floor_after_ms']:.1f})" if "floor_after_ms" in r else "")
+        out.append(f"| {r['model']} | {r['tokens']} | {r['lm_head']} | {fl} | " + " | ".join(cells) + " |")
     out += ["", "max |logp - float64| (first 1024 rows) and gradient rel. to naive:", ""]
     for r in rows:
         out.append(f"{r['model']} {r['tokens']} {r['lm_head']}: " + ", ".join(

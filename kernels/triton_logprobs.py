@@ -300,23 +300,34 @@ def linear_logprobs_triton(hidden, weight, ids, temperature=1.0, chunk=1024, wit
 
 
 def _keep_grads(ctx, gh, gw, weight):
-    ctx.grads = (gh, gw.to(weight.dtype) if gw is not None else None)
+    """Hold the gradients formed in forward until backward (the grad-weight buffer in its
+    accumulation dtype: backward casts it while scaling)."""
+    ctx.grads, ctx.weight_dtype = (gh, gw), weight.dtype
 
 
 def _scaled_grads(ctx, g_loss):
-    """The gradients formed in forward, times the upstream scalar (in place: they are ours alone,
-    and a copy would double their memory; skipped when it is exactly 1, the usual case)."""
-    grads, ctx.grads = ctx.grads, None
-    one = bool(g_loss == 1)
-    return tuple(g if g is None or one else g.mul_(g_loss.to(g.dtype)) for g in grads)
+    """The gradients formed in forward times the upstream scalar, which is never read on the host:
+    that would wait for the GPU, which then idles while Python prepares the next step.
+    grad_hidden in place; the grad-weight buffer scaled (in float32) and cast in one pass."""
+    (gh, gw), ctx.grads = ctx.grads, None
+    if gh is not None:
+        gh.mul_(g_loss.to(gh.dtype))
+    if gw is not None and gw.dtype == ctx.weight_dtype:
+        gw.mul_(g_loss.to(gw.dtype))
+    elif gw is not None:
+        gw = torch.mul(gw, g_loss.float(), out=torch.empty(gw.shape, dtype=ctx.weight_dtype, device=gw.device))
+    return gh, gw
 
 
-def auto_chunk(V, grad_weight_bytes=0):
-    """Rows per chunk: float32 logits within max(0.6, 1.35 - grad-weight buffer) GiB, so the whole
-    extra memory stays near 1.4 GiB at vocab 152k (hidden 1536) yet chunks stay large enough for
-    full-speed matmuls and few read-modify-writes of the grad-weight buffer."""
-    budget = max(0.6 * 2**30, 1.35 * 2**30 - grad_weight_bytes)
-    return max(128, int(budget // (4 * V)) // 128 * 128)
+def auto_chunk(V, rows, grad_weight_bytes=0, cast_bytes=0):
+    """Rows per chunk: float32 logits within max(0.6 GiB, 1.35 GiB - grad-weight buffer, its cast)
+    (the cast of a float32 buffer to the weight dtype is made beside it at the end anyway), so the
+    extra memory stays near 1.4 GiB at vocab 152k and hidden 1536, yet chunks stay large enough for
+    full-speed matmuls and few read-modify-writes of the buffer; `rows` split evenly (no small tail)."""
+    budget = max(0.6 * 2**30, 1.35 * 2**30 - grad_weight_bytes, cast_bytes)
+    most = max(128, int(budget // (4 * V)) // 128 * 128)
+    per = -(-rows // max(1, -(-rows // most)))
+    return max(128, (per + 127) // 128 * 128)
 
 
 class _LinearLoss(torch.autograd.Function):
@@ -438,8 +449,10 @@ def linear_grpo_loss_triton(hidden, weight, ids, old_logp, advantages, token_wei
     params = (float(temperature), 1.0 - epsilon, 1.0 + eps_hi, float("inf") if delta is None else float(delta),
               float(beta))
     gw_fp32 = bool(grad_weight_fp32) or weight.dtype == torch.float32
-    gw_bytes = weight.numel() * (4 if gw_fp32 else weight.element_size()) if weight.requires_grad else 0
-    chunk = auto_chunk(weight.shape[0], gw_bytes) if chunk is None else int(chunk)
+    trains = weight.requires_grad and torch.is_grad_enabled()
+    gw_bytes = weight.numel() * (4 if gw_fp32 else weight.element_size()) if trains else 0
+    cast_bytes = weight.numel() * weight.element_size() if trains and weight.dtype != torch.float32 and gw_fp32 else 0
+    chunk = auto_chunk(weight.shape[0], N, gw_bytes, cast_bytes) if chunk is None else int(chunk)
     loss, logp, ent = _LinearGRPO.apply(hidden.contiguous(), weight.contiguous(), ids.contiguous(), tok, params,
                                         chunk, bool(with_entropy), hidden.requires_grad and torch.is_grad_enabled(),
                                         weight.requires_grad and torch.is_grad_enabled(),

@@ -27,6 +27,10 @@ from tandem.learner.model import load_frozen_reference, load_policy, reference_c
 from tandem.services.plan import BatchPlan
 
 
+def _on(mb: dict, device) -> dict:
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in mb.items()}
+
+
 def lr_lambda(kind: str, warmup: int, total: int):
     def f(step: int) -> float:
         if warmup and step < warmup:
@@ -94,7 +98,8 @@ class Learner:
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
                 opt, lr_lambda(o.lr_scheduler_type, warm, total_steps)),
         )
-        self.ref = load_frozen_reference(cfg) if (cfg.grpo.beta > 0 and cfg.model.lora is None) else None
+        self.device = self.engine.device  # batches are collated on the host and moved here
+        self.ref = load_frozen_reference(cfg).to(self.device) if (cfg.grpo.beta > 0 and cfg.model.lora is None) else None
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -164,7 +169,7 @@ class Learner:
                                  g.scale_rewards)
         mk = dict(pad_id=self.pad_id, mask_truncated=g.mask_truncated_completions)
         S = plan.steps_per_generation
-        mbs = [collate(s, plan.rows(k, self.rank), adv, **mk) for k in range(S)]
+        mbs = [_on(collate(s, plan.rows(k, self.rank), adv, **mk), self.device) for k in range(S)]
         self.engine.train()
         with torch.no_grad():
             old = [self._logp(mb)[0] for mb in mbs] if self.needs_old() else None
@@ -230,7 +235,7 @@ class Learner:
     def _reduce(self, acc: dict, loss_sum: float) -> dict:
         """Token-weighted means over micro-steps and ranks; min/max reduced as such."""
         keys = sorted(k for k in acc if not k.startswith(("min:", "max:")))
-        vec = torch.tensor([acc[k] for k in keys] + [loss_sum], dtype=torch.float64)
+        vec = torch.tensor([acc[k] for k in keys] + [loss_sum], dtype=torch.float64, device=self.device)  # NCCL: GPU
         mins = {k: acc[k] for k in acc if k.startswith("min:")}
         maxs = {k: acc[k] for k in acc if k.startswith("max:")}
         if self.world > 1:
@@ -239,7 +244,7 @@ class Learner:
             dist.all_reduce(vec)
             for d, op in ((mins, dist.ReduceOp.MIN), (maxs, dist.ReduceOp.MAX)):
                 if d:
-                    t = torch.tensor(list(d.values()), dtype=torch.float64)
+                    t = torch.tensor(list(d.values()), dtype=torch.float64, device=self.device)
                     dist.all_reduce(t, op=op)
                     d.update(zip(d, t.tolist()))
         vals = dict(zip(keys, vec.tolist()))
@@ -286,7 +291,8 @@ class Learner:
             shutil.rmtree(tmp, ignore_errors=True)
         self._barrier()
         self.engine.save_checkpoint(str(tmp), tag="state", save_latest=False)
-        torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+        torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
                    tmp / f"rng_rank{self.rank}.pt")
         self._barrier()
         if self.rank == 0:
@@ -305,6 +311,8 @@ class Learner:
         torch.set_rng_state(rng["torch"])
         np.random.set_state(rng["numpy"])
         random.setstate(rng["python"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
         self.version, self.steps = meta["version"], meta["steps"]
         return meta
 

@@ -176,6 +176,38 @@ def test_fused_loss_backward_scales_with_upstream_and_frozen_head(seed):
     assert w.grad is None and rel(h.grad, gh) <= 1e-5, f"seed {seed}"
 
 
+@pytest.mark.parametrize("fp32_acc", [True, False])
+def test_grpo_loss_backward_scales_with_upstream(seed, fp32_acc):
+    """The upstream gradient is applied on the GPU, never read on the host (no sync): a scaled loss
+    scales both gradients, the grad-weight buffer cast to the weight dtype on the way."""
+    h, w, ids = _linear_case(21, 8, 60, torch.bfloat16)
+    adv, wt = torch.randn(21, device=DEV), torch.rand(21, device=DEV)
+    grads = []
+    for scale in (1.0, 0.37):
+        h.grad = w.grad = None
+        loss, *_ = tk.linear_grpo_loss_triton(h, w, ids, None, adv, wt, chunk=8, grad_weight_fp32=fp32_acc)
+        (scale * loss).backward()
+        grads.append((h.grad, w.grad))
+    (gh1, gw1), (gh, gw) = grads
+    assert gh.dtype == gw.dtype == torch.bfloat16
+    assert rel(gh, 0.37 * gh1.double()) <= 4e-3 and rel(gw, 0.37 * gw1.double()) <= 4e-3, f"seed {seed}"
+
+
+def test_auto_chunk_splits_rows_evenly_within_the_memory_budget():
+    GiB = 2**30
+    for V, H, trains, fp32 in [(151936, 1536, False, True), (151936, 1536, True, True), (152064, 3584, True, True),
+                               (151936, 1536, True, False), (50000, 64, False, True)]:
+        gw = V * H * (4 if fp32 else 2) if trains else 0
+        cast = V * H * 2 if trains and fp32 else 0
+        budget = max(0.6 * GiB, 1.35 * GiB - gw, cast)
+        most = int(budget // (4 * V)) // 128 * 128
+        for rows in (1, 127, 1000, 4096, 16384, 16385, 32768):
+            c = tk.auto_chunk(V, rows, gw, cast)
+            assert c % 128 == 0 and c * 4 * V <= budget, (V, H, rows, c)
+            assert -(-rows // c) == -(-rows // most), (V, H, rows, c)  # no more chunks than the budget needs
+    assert tk.auto_chunk(151936, 16384) == 2048  # 8 equal chunks, not 7 of 2304 and a tail of 256
+
+
 def test_bad_temperature_and_row_mismatch_are_named():
     h, w, ids = _linear_case(4, 8, 20, torch.float32)
     with pytest.raises(ValueError, match="linear_logprobs: temperature = 0"):

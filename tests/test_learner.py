@@ -20,7 +20,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def job(tmp_path, model, *, per, ga, spg, loss_type="dapo", zero=0, nproc=1, mu=1, **extra):
+def job(tmp_path, model_path, *, per, ga, spg, loss_type="dapo", zero=0, nproc=1, mu=1, **extra):
     sections = dict(model={"fast_inference": False, "lora": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}},
                     batch={"per_device_train_batch_size": per, "gradient_accumulation_steps": ga,
                            "steps_per_generation": spg, "num_generations": 4},
@@ -29,7 +29,7 @@ def job(tmp_path, model, *, per, ga, spg, loss_type="dapo", zero=0, nproc=1, mu=
                     optimizer={"max_grad_norm": 0.0, "learning_rate": LR, "lr_scheduler_type": "constant"})
     for k, v in extra.items():
         sections.setdefault(k, {}).update(v)
-    return make_job(tmp_path, model, [REWARD], **sections)
+    return make_job(tmp_path, model_path, [REWARD], **sections)
 
 
 def close(a, b, tol=1e-6):
@@ -113,7 +113,7 @@ def test_positive_advantage_raises_logprob(tmp_path, tiny_model):
     cfg = job(tmp_path, tiny_model, per=4, ga=1, spg=1, optimizer={"learning_rate": 1e-2})
     lr = Learner(cfg, port=free_port())
     s = Samples.from_groups(groups)
-    mb = collate(s, range(4), torch.zeros(4), pad_id=0, mask_truncated=False)
+    mb = {k: v.to(lr.device) for k, v in collate(s, range(4), torch.zeros(4), pad_id=0, mask_truncated=False).items()}
 
     def seq_logp():
         with torch.no_grad():
@@ -158,8 +158,8 @@ def test_reference_is_base_model(tmp_path, tiny_model):
     lr.train(groups)
     lr.train(groups)  # adapter now non-zero
     s = Samples.from_groups(groups)
-    mb = collate(s, range(4), torch.zeros(4), pad_id=0, mask_truncated=False)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    mb = {k: v.to(lr.device) for k, v in collate(s, range(4), torch.zeros(4), pad_id=0, mask_truncated=False).items()}
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).to(lr.device)
     with torch.no_grad():
         want = completion_logprobs(base, mb, 1.0)[0]
         ref = lr._logp(mb, reference=True)
@@ -167,6 +167,30 @@ def test_reference_is_base_model(tmp_path, tiny_model):
     m = mb["mask"]
     assert torch.allclose(ref[m], want[m], atol=1e-5)
     assert not torch.allclose(pol[m], want[m], atol=1e-4)
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_bf16_learner_follows_the_float32_reference(tmp_path, tiny_model, zero):
+    """The learner trains in bf16 (on CUDA through the Triton fused loss; ZeRO-3: the gathered head):
+    its SGD update (lora_B from zero, so the update is the weight) is the float32 whole-batch
+    reference's to bf16 accuracy."""
+    from tandem.learner.model import load_policy
+
+    groups = make_groups(2, 4, seed=12)
+    kw = dict(per=2, ga=4, spg=4, generation={"temperature": 0.9}, grpo={"epsilon_high": 0.28})
+    lr = Learner(job(tmp_path, tiny_model, zero=zero, model={"dtype": "bfloat16"}, **kw), port=free_port(),
+                 optimizer=sgd(LR))
+    before = lr.trainable_parameters()
+    lr.train(groups)
+    after = lr.trainable_parameters()
+    cfg32 = job(tmp_path, tiny_model, **kw)
+    torch.manual_seed(cfg32.seed)
+    init = {n: p.detach().clone() for n, p in load_policy(cfg32).named_parameters() if p.requires_grad}
+    want = reference_step(cfg32, groups, LR)
+    key = lambda k: k.removeprefix("module.")
+    got = torch.cat([(after[k].float() - before[k].float()).flatten() for k in sorted(after)])
+    ref = torch.cat([(want[key(k)] - init[key(k)]).flatten() for k in sorted(after)])
+    assert ref.norm() > 0 and ((got - ref).norm() / ref.norm()).item() <= 5e-2
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
