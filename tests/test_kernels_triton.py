@@ -221,7 +221,7 @@ def test_bad_temperature_and_row_mismatch_are_named():
 
 
 @pytest.mark.skipif(not CUDA, reason="real sizes need the GPU (run on the device machine)")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_real_size_qwen_1_5b_head(seed, dtype):
     N, H, V = 4096, 1536, 151936
     h = torch.randn(N, H, device=DEV).to(dtype).requires_grad_()
