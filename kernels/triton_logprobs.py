@@ -455,6 +455,5 @@ def linear_grpo_loss_triton(hidden, weight, ids, old_logp, advantages, token_wei
     chunk = auto_chunk(weight.shape[0], N, gw_bytes, cast_bytes) if chunk is None else int(chunk)
     loss, logp, ent = _LinearGRPO.apply(hidden.contiguous(), weight.contiguous(), ids.contiguous(), tok, params,
                                         chunk, bool(with_entropy), hidden.requires_grad and torch.is_grad_enabled(),
-                                        weight.requires_grad and torch.is_grad_enabled(),
-                                        gw_fp32)
+                                        trains, gw_fp32)
     return loss, logp.detach(), (ent.detach() if ent is not None else None)

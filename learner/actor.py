@@ -235,7 +235,7 @@ class Learner:
     def _reduce(self, acc: dict, loss_sum: float) -> dict:
         """Token-weighted means over micro-steps and ranks; min/max reduced as such."""
         keys = sorted(k for k in acc if not k.startswith(("min:", "max:")))
-        vec = torch.tensor([acc[k] for k in keys] + [loss_sum], dtype=torch.float64, device=self.device)  # NCCL: GPU
+        vec = torch.tensor([acc[k] for k in keys] + [loss_sum], dtype=torch.float64, device=self.device)  # NCCL reduces GPU tensors only
         mins = {k: acc[k] for k in acc if k.startswith("min:")}
         maxs = {k: acc[k] for k in acc if k.startswith("max:")}
         if self.world > 1:
