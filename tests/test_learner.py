@@ -169,6 +169,20 @@ def test_reference_is_base_model(tmp_path, tiny_model):
     assert not torch.allclose(pol[m], want[m], atol=1e-4)
 
 
+def test_non_finite_loss_stops_before_the_weights_move(tmp_path, tiny_model):
+    """A NaN sampler log-prob (TIS on) makes micro-step 2 of 4 non-finite: train raises, naming the
+    micro-step, and no weight has moved (the optimizer step comes only at the fourth)."""
+    groups = make_groups(2, 4, seed=13)
+    groups[1].sampler_logprobs[0] = float("nan")  # the first token of sample 4: micro-batch 2
+    cfg = job(tmp_path, tiny_model, per=2, ga=4, spg=4, grpo={"vllm_importance_sampling_correction": True})
+    lr = Learner(cfg, port=free_port(), optimizer=sgd(LR))
+    before = lr.trainable_parameters()
+    with pytest.raises(FloatingPointError, match="non-finite loss nan at micro-step 2"):
+        lr.train(groups)
+    after = lr.trainable_parameters()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 @pytest.mark.parametrize("zero", [0, 3])
 def test_bf16_learner_follows_the_float32_reference(tmp_path, tiny_model, zero):
     """The learner trains in bf16 (on CUDA through the Triton fused loss; ZeRO-3: the gathered head):
