@@ -27,6 +27,17 @@ from tandem.learner.model import load_frozen_reference, load_policy, reference_c
 from tandem.services.plan import BatchPlan
 
 
+def _check_token_ids(groups, vocab: int):
+    """An id outside the model's vocabulary would index past the embedding (on CUDA a device-side
+    assert, which takes the whole process down): name the group and the id instead."""
+    for g in groups:
+        for name, ids in (("prompt_ids", g.prompt_ids), ("tokens", g.tokens)):
+            if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
+                bad = int(ids.min() if ids.min() < 0 else ids.max())
+                raise ValueError(f"Learner.train: group {g.group_id} {name} holds token id {bad}; the model's "
+                                 f"vocabulary is 0..{vocab - 1}")
+
+
 def _on(mb: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in mb.items()}
 
@@ -164,6 +175,7 @@ class Learner:
         groups = _resolve(groups)
         if len(groups) != plan.unique_prompts:
             raise ValueError(f"Learner.train: {len(groups)} groups; the batch plan needs {plan.unique_prompts}")
+        _check_token_ids(groups, self.model.get_input_embeddings().num_embeddings)
         s = Samples.from_groups(groups)
         adv = compute_advantages(torch.from_numpy(s.rewards), plan.num_generations, g.reward_weights,
                                  g.scale_rewards)

@@ -183,6 +183,17 @@ def test_non_finite_loss_stops_before_the_weights_move(tmp_path, tiny_model):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.parametrize("field", ["prompt_ids", "tokens"])
+def test_token_id_outside_the_vocabulary_is_named(tmp_path, tiny_model, field):
+    groups = make_groups(2, 4, seed=14)
+    getattr(groups[1], field)[1] = 512  # the tiny model's vocabulary is 0..511
+    lr = Learner(job(tmp_path, tiny_model, per=4, ga=1, spg=2), port=free_port())
+    before = lr.trainable_parameters()
+    with pytest.raises(ValueError, match=f"group 1 {field} holds token id 512; the model's vocabulary is 0..511"):
+        lr.train(groups)
+    assert all(torch.equal(before[k], v) for k, v in lr.trainable_parameters().items())
+
+
 @pytest.mark.parametrize("zero", [0, 3])
 def test_bf16_learner_follows_the_float32_reference(tmp_path, tiny_model, zero):
     """The learner trains in bf16 (on CUDA through the Triton fused loss; ZeRO-3: the gathered head):
