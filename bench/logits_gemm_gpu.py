@@ -50,6 +50,40 @@ def _logits_stats(h_ptr, w_ptr, z_ptr, pm_ptr, ps_ptr, M, N, K, z_stride, NP, in
 
 
 @triton.jit
+def _logits_stats_tma(a_desc, b_desc, z_desc, pm_ptr, ps_ptr, M, N, K, NP, inv_t, NUM_PROGS: tl.constexpr,
+                      STATS: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The same with tensor descriptors (TMA on Hopper), persistent over tiles, the float32 tile stored
+    in two halves (a whole 128 x 256 float32 tile would not fit shared memory beside the pipeline)."""
+    num_m = tl.cdiv(M, BM)
+    num_tiles = num_m * tl.cdiv(N, BN)
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=True):
+        pid_m = tile % num_m
+        pid_n = tile // num_m
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, K, BK):
+            a = a_desc.load([off_m, k])
+            b = b_desc.load([off_n, k])
+            if UPCAST:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b.T, acc)
+        acc2 = tl.reshape(acc, (BM, 2, BN // 2))
+        acc2 = tl.permute(acc2, (0, 2, 1))
+        lo, hi = tl.split(acc2)
+        z_desc.store([off_m, off_n], lo)
+        z_desc.store([off_m, off_n + BN // 2], hi)
+        if STATS:
+            offs_m = off_m + tl.arange(0, BM)
+            offs_n = off_n + tl.arange(0, BN)
+            s = tl.where(offs_n[None, :] < N, acc * inv_t, -float("inf"))
+            m = tl.max(s, 1)
+            se = tl.sum(tl.exp(s - m[:, None]), 1)
+            tl.store(pm_ptr + offs_m.to(tl.int64) * NP + pid_n, m, mask=offs_m < M)
+            tl.store(ps_ptr + offs_m.to(tl.int64) * NP + pid_n, se, mask=offs_m < M)
+
+
+@triton.jit
 def _row_grpo_1p(z_ptr, z_stride, d_ptr, d_stride, pm_ptr, ps_ptr, NP, ids_ptr, logp_ptr, loss_ptr,
                  old_ptr, adv_ptr, wt_ptr, tis_ptr, V, inv_t, lo, hi, delta,
                  BLOCK: tl.constexpr, PBLOCK: tl.constexpr):
@@ -91,6 +125,25 @@ def gemm(h, w, z, cfg, stats=True):
     return pm, ps
 
 
+def gemm_tma(h, w, z, cfg, stats=True):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    BM, BN, BK, nw, ns = cfg
+    M, K = h.shape
+    N = w.shape[0]
+    NP = triton.cdiv(N, BN)
+    pm = torch.empty(M, NP, device=h.device)
+    ps = torch.empty_like(pm)
+    progs = torch.cuda.get_device_properties(0).multi_processor_count if h.is_cuda else 4
+    a_desc = TensorDescriptor.from_tensor(h, [BM, BK])
+    b_desc = TensorDescriptor.from_tensor(w, [BN, BK])
+    z_desc = TensorDescriptor.from_tensor(z, [BM, BN // 2])
+    _logits_stats_tma[(min(progs, triton.cdiv(M, BM) * NP),)](
+        a_desc, b_desc, z_desc, pm, ps, M, N, K, NP, 1 / TEMP, NUM_PROGS=min(progs, triton.cdiv(M, BM) * NP),
+        STATS=stats, UPCAST=os.environ.get("TRITON_INTERPRET") == "1", BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns)
+    return pm, ps
+
+
 def main():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     M, K, N = (2048, 1536, 151936) if dev == "cuda" else (37, 48, 300)
@@ -120,8 +173,7 @@ def main():
     two_reads()
     err_two = (logp.double() - lp64).abs().max().item()
     t_two = bench(two_reads) - t_copy
-    cfgs = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4),
-            (128, 128, 128, 8, 3)] if cuda else [(16, 64, 16, 4, 1)]
+    cfgs = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3)] if cuda else [(16, 64, 16, 4, 1)]
     print(f"{torch.cuda.get_device_name() if cuda else 'cpu'}, triton {triton.__version__}: chunk {M} x {K} x {N}")
     print("| logits + log-sum-exp | matmul µs | row kernel µs | total µs | × shipped | max abs lse / logp err |")
     print("|---|---|---|---|---|---|")
@@ -129,9 +181,13 @@ def main():
     print(f"| cuBLAS float32 out + two-read row kernel (shipped) | {t_cub * 1e3:.0f} | {t_two * 1e3:.0f} | "
           f"{shipped * 1e3:.0f} | 1.00 | logp {err_two:.1e} |")
     lp1 = torch.empty_like(logp)
-    for cfg in cfgs:
+    tma_cfgs = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 2), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3)] if cuda \
+        else [(16, 64, 16, 4, 1)]
+    runs = [(c, "pointers", gemm) for c in cfgs] + [(c, "TMA, persistent", gemm_tma)
+                                                     for c in tma_cfgs]
+    for cfg, kind, fn in runs:
         try:
-            pm, ps = gemm(h, w, z, cfg)
+            pm, ps = fn(h, w, z, cfg)
             z1 = z.clone()
             NP = pm.shape[1]
             err_l = (torch.logsumexp(pm.double() + ps.double().log(), -1) - lse64).abs().max().item()
@@ -143,15 +199,15 @@ def main():
                                    0.8, 1.2, float("inf"), BLOCK=2048, PBLOCK=1024, num_warps=8)
             one_read()
             err_p = (lp1.double() - lp64).abs().max().item()
-            t_plain = bench(lambda cfg=cfg: gemm(h, w, z, cfg, stats=False))
-            t_gemm = bench(lambda cfg=cfg: gemm(h, w, z, cfg))
+            t_plain = bench(lambda cfg=cfg, fn=fn: fn(h, w, z, cfg, stats=False))
+            t_gemm = bench(lambda cfg=cfg, fn=fn: fn(h, w, z, cfg))
             t_one = bench(one_read) - t_copy
             tot = t_gemm + t_one
-            print(f"| Triton {cfg} (BM, BN, BK, warps, stages), log-sum-exp in the epilogue (plain: "
+            print(f"| Triton {kind} {cfg} (BM, BN, BK, warps, stages), log-sum-exp in the epilogue (plain: "
                   f"{t_plain * 1e3:.0f}) + one-read row kernel | {t_gemm * 1e3:.0f} | {t_one * 1e3:.0f} | "
                   f"{tot * 1e3:.0f} | {tot / shipped:.2f} | lse {err_l:.1e}, logp {err_p:.1e} |", flush=True)
         except Exception as e:
-            print(f"| Triton {cfg} | {type(e).__name__}: {str(e)[:120]} |", flush=True)
+            print(f"| Triton {kind} {cfg} | {type(e).__name__}: {str(e)[:120]} |", flush=True)
 
 
 if __name__ == "__main__":
