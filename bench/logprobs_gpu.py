@@ -11,7 +11,8 @@ Candidates, side by side in one process (bf16, temperature 0.7, dapo loss, epsil
             loss given as a PyTorch function (autograd per chunk)
   grpo      tandem.kernels linear_grpo_loss: the same with the GRPO derivative inside the row kernel
             (one launch per chunk for log-sum-exp, loss and dL/dlogits), chunk sized by memory;
-            grpo_bf16acc: the same, a trainable lm_head's gradient accumulated in bf16 (as Liger does)
+            grpo_bf16acc: the same, a trainable lm_head's gradient accumulated in bf16 (as Liger does);
+            grpo_epi(_bf16acc): the log-sum-exp kept by the logits matmul (lse_epilogue=True)
 and the floor: cuBLAS bf16 time of the matmuls the computation needs (logits, grad_hidden, and
 grad_weight when the lm_head trains), measured before and after the candidates (the H200's clock
 falls under sustained load) and averaged. Time: median (triton do_bench); memory: peak allocated
@@ -82,10 +83,11 @@ def fused(h, w, ids, old, adv, mask, chunk=1024):
     return loss, logp
 
 
-def grpo(h, w, ids, old, adv, mask, gw_fp32=True, chunk=None):
+def grpo(h, w, ids, old, adv, mask, gw_fp32=True, chunk=None, epilogue=False):
     wt = token_weights(mask, "dapo").reshape(-1)
     loss, logp, _ = linear_grpo_loss_triton(h, w, ids, old.reshape(-1), adv.repeat_interleave(T), wt,
-                                            temperature=TEMP, epsilon=EPS, grad_weight_fp32=gw_fp32, chunk=chunk)
+                                            temperature=TEMP, epsilon=EPS, grad_weight_fp32=gw_fp32, chunk=chunk,
+                                            lse_epilogue=epilogue)
     return loss, logp
 
 
@@ -194,7 +196,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="4096,16384,32768")
     ap.add_argument("--models", default="1.5B,7B")
-    ap.add_argument("--candidates", default="naive,trl,chunked,compiled,liger,ours,fused,grpo,grpo_bf16acc")
+    ap.add_argument("--candidates",
+                    default="naive,trl,chunked,compiled,liger,ours,fused,grpo,grpo_bf16acc,grpo_epi,grpo_epi_bf16acc")
     ap.add_argument("--out", default=".")
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
@@ -205,7 +208,8 @@ def main():
     torch._dynamo.config.cache_size_limit = 64
     cands = {"naive": naive, "trl": trl, "chunked": _chunked_with(_chunk), "compiled": _chunked_with(_compiled_chunk),
              "liger": liger_candidate(), "ours": ours, "fused": fused, "grpo": grpo,
-             "grpo_bf16acc": lambda *x: grpo(*x, gw_fp32=False)}
+             "grpo_bf16acc": lambda *x: grpo(*x, gw_fp32=False), "grpo_epi": lambda *x: grpo(*x, epilogue=True),
+             "grpo_epi_bf16acc": lambda *x: grpo(*x, gw_fp32=False, epilogue=True)}
     for c in a.candidates.split(","):  # grpo@2048: grpo with a fixed chunk of rows
         base, _, rows_ = c.partition("@")
         if rows_ and base in ("grpo", "grpo_bf16acc"):

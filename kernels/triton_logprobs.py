@@ -3,7 +3,9 @@
 Row kernels (one program per row, vocabulary walked in blocks, nothing [rows, vocab] kept):
   _row_stats:  logits -> lse, logp of the chosen token, entropy (one read of the row)
   _row_grad:   logits, lse, dL/dlogp -> dL/dlogits = g/T * (onehot - softmax), written in place
-  _row_grpo:   both, with the GRPO loss and its derivative computed in between (one launch)
+  _row_grpo:   both, with the GRPO loss and its derivative computed in between (one launch); or,
+               FROM_TILES, the log-sum-exp from _logits_tiles' statistics and one read of the row
+  _logits_tiles: the logits matmul (persistent, TMA) keeping per-tile max / sum exp in its epilogue
 
 Entry points (the PyTorch references live in `logprobs.py` and `learner/loss.py`):
   selective_logprobs_triton    logits exist; backward from the saved lse (no softmax stored)
@@ -18,6 +20,9 @@ front half of each float32 row (_front_view), so a chunk costs 4 bytes per logit
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import triton
@@ -114,13 +119,36 @@ def _grpo_token(lp, old, adv, tis, ref, lo, hi, delta, beta, HAS_KL: tl.constexp
 
 
 @triton.jit
+def _lse_from_tiles(pm_ptr, ps_ptr, pt_ptr, NP, WITH_ENT: tl.constexpr, PBLOCK: tl.constexpr):
+    """A row's (log-sum-exp, entropy or 0) from the logits matmul's per-tile max m_j, sum exp(s - m_j)
+    and sum exp(s - m_j) * s (s = logits / T), NP <= PBLOCK tiles: no read of the logits."""
+    offs = tl.arange(0, PBLOCK)
+    ok = offs < NP
+    pm = tl.load(pm_ptr + offs, mask=ok, other=-float("inf"))
+    mx = tl.max(pm, 0)
+    w = tl.where(ok, tl.exp(pm - mx), 0.0)
+    s = tl.sum(w * tl.load(ps_ptr + offs, mask=ok, other=0.0), 0)
+    lse = mx + tl.log(s)
+    ent = 0.0
+    if WITH_ENT:
+        ent = lse - tl.sum(w * tl.load(pt_ptr + offs, mask=ok, other=0.0), 0) / s
+    return lse, ent
+
+
+@triton.jit
 def _row_grpo(z_ptr, z_stride, d_ptr, d_stride, ids_ptr, logp_ptr, ent_ptr, loss_ptr,
               old_ptr, adv_ptr, wt_ptr, tis_ptr, ref_ptr, V, inv_t, lo, hi, delta, beta,
-              HAS_KL: tl.constexpr, ON_POLICY: tl.constexpr, WITH_ENT: tl.constexpr, BLOCK: tl.constexpr):
-    """One row, both passes: log-sum-exp, then the loss's gradient written as dL/dlogits (in place)."""
+              pm_ptr, ps_ptr, pt_ptr, NP,
+              HAS_KL: tl.constexpr, ON_POLICY: tl.constexpr, WITH_ENT: tl.constexpr, BLOCK: tl.constexpr,
+              FROM_TILES: tl.constexpr, PBLOCK: tl.constexpr):
+    """One row: log-sum-exp (a pass over the logits, or FROM_TILES the matmul's tile statistics), then
+    the loss's gradient written as dL/dlogits (in place)."""
     row = tl.program_id(0).to(tl.int64)
     zb = z_ptr + row * z_stride
-    lse, ent = _lse_pass(zb, V, inv_t, WITH_ENT, BLOCK)
+    if FROM_TILES:
+        lse, ent = _lse_from_tiles(pm_ptr + row * NP, ps_ptr + row * NP, pt_ptr + row * NP, NP, WITH_ENT, PBLOCK)
+    else:
+        lse, ent = _lse_pass(zb, V, inv_t, WITH_ENT, BLOCK)
     tok = tl.load(ids_ptr + row)
     lp = tl.load(zb + tok).to(tl.float32) * inv_t - lse
     tl.store(logp_ptr + row, lp)
@@ -140,6 +168,42 @@ def _row_grpo(z_ptr, z_stride, d_ptr, d_stride, ids_ptr, logp_ptr, ent_ptr, loss
     tl.store(loss_ptr + row, tl.where(wt != 0.0, loss * wt, 0.0))
     coef = tl.where(wt != 0.0, g * wt, 0.0) * inv_t
     _grad_pass(zb, d_ptr + row * d_stride, coef, lse, tok, V, inv_t, BLOCK)
+
+
+@triton.jit
+def _logits_tiles(h_desc, w_desc, z_desc, pm_ptr, ps_ptr, pt_ptr, M, N, K, NP, inv_t,
+                  NUM_PROGS: tl.constexpr, WITH_ENT: tl.constexpr, UPCAST: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """z = h @ w.T in float32, plus per row and BN-wide tile: max, sum exp and sum exp * s of s = z / T.
+    Persistent over tiles (consecutive tiles share a w tile; h stays in L2), operands through tensor
+    descriptors (TMA on Hopper), the float32 tile stored in two halves (a whole one would not fit in
+    shared memory beside the pipeline). bench/logits_gemm_gpu.py: cuBLAS speed on an H200."""
+    num_m = tl.cdiv(M, BM)
+    for tile in tl.range(tl.program_id(0), num_m * NP, NUM_PROGS, flatten=True):
+        pid_m = tile % num_m
+        pid_n = tile // num_m
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, K, BK):
+            a = h_desc.load([off_m, k])
+            b = w_desc.load([off_n, k])
+            if UPCAST:  # Triton's interpreter would multiply bf16 bit patterns as integers
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b.T, acc)
+        lo, hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+        z_desc.store([off_m, off_n], lo)
+        z_desc.store([off_m, off_n + BN // 2], hi)
+        offs_m = off_m + tl.arange(0, BM)
+        ok_n = (off_n + tl.arange(0, BN))[None, :] < N
+        sc = tl.where(ok_n, acc * inv_t, -float("inf"))
+        m = tl.max(sc, 1)
+        e = tl.exp(sc - m[:, None])
+        at = offs_m.to(tl.int64) * NP + pid_n
+        tl.store(pm_ptr + at, m, mask=offs_m < M)
+        tl.store(ps_ptr + at, tl.sum(e, 1), mask=offs_m < M)
+        if WITH_ENT:
+            tl.store(pt_ptr + at, tl.sum(tl.where(ok_n, e * sc, 0.0), 1), mask=offs_m < M)
 
 
 def _check(name, logits_or_hidden, ids, temperature, chunk=1):
@@ -189,6 +253,47 @@ def _logits_f32(h, w):
     if h.dtype == torch.float32 or not h.is_cuda:
         return h.float() @ w.float().t()
     return torch.mm(h, w.t(), out_dtype=torch.float32)
+
+
+# BM, BN, BK, warps, stages of _logits_tiles: the fastest in bench/logits_gemm_gpu.py on an H200
+TILE = (128, 256, 64, 8, 3)
+
+
+def _interpreting():
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _programs(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def tile_stats_ok(h, w):
+    """Whether _logits_tiles serves h @ w.T: bf16/fp16 on a GPU with TMA (compute capability 9+), or
+    Triton's interpreter; row strides 16-byte aligned (hidden % 8, vocab % 4). Else cuBLAS + _lse_pass."""
+    if h.dtype not in (torch.bfloat16, torch.float16) or w.dtype != h.dtype or h.shape[1] % 8 or w.shape[0] % 4:
+        return False
+    return _interpreting() or (h.is_cuda and torch.cuda.get_device_capability(h.device)[0] >= 9)
+
+
+def _logits_with_tiles(h, w, temperature, with_entropy):
+    """h [n, H] @ w.T as float32 logits [n, V], and the per-tile statistics their log-sum-exp and
+    entropy come from (pm, ps, pt [n, NP], NP)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    BM, BN, BK, warps, stages = TILE
+    (n, H), V = h.shape, w.shape[0]
+    NP = triton.cdiv(V, BN)
+    z = torch.empty(n, V, dtype=torch.float32, device=h.device)
+    pm = torch.empty(n, NP, dtype=torch.float32, device=h.device)
+    ps = torch.empty_like(pm)
+    pt = torch.empty_like(pm) if with_entropy else ps
+    progs = 4 if _interpreting() else _programs(h.device.index or 0)
+    _logits_tiles[(progs,)](TensorDescriptor.from_tensor(h, [BM, BK]), TensorDescriptor.from_tensor(w, [BN, BK]),
+                            TensorDescriptor.from_tensor(z, [BM, BN // 2]), pm, ps, pt, n, V, H, NP, 1.0 / temperature,
+                            NUM_PROGS=progs, WITH_ENT=with_entropy, UPCAST=_interpreting(), BM=BM, BN=BN, BK=BK,
+                            num_warps=warps, num_stages=stages)
+    return z, (pm, ps, pt, NP)
 
 
 def _mm_into(out, d, weight):
@@ -394,7 +499,7 @@ def _flat(x, n, name, device):
 
 class _LinearGRPO(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, ids, tok, params, chunk, with_entropy, need_h, need_w, gw_fp32):
+    def forward(ctx, hidden, weight, ids, tok, params, chunk, with_entropy, need_h, need_w, gw_fp32, tiles):
         N, V = hidden.shape[0], weight.shape[0]
         temperature, lo, hi, delta, beta = params
         logp = torch.empty(N, dtype=torch.float32, device=hidden.device)
@@ -408,26 +513,32 @@ class _LinearGRPO(torch.autograd.Function):
         for s in range(0, N, chunk):
             e = min(s + chunk, N)
             h = hidden[s:e]
-            z = _logits_f32(h, weight)
+            if tiles:
+                z, (pm, ps, pt, NP) = _logits_with_tiles(h, weight, temperature, with_entropy)
+            else:
+                z = _logits_f32(h, weight)
+                pm = ps = pt = z  # pointers the kernel never reads
+                NP = 0
             d = _front_view(z, weight.dtype)
             _row_grpo[(e - s,)](z, z.stride(0), d, d.stride(0), ids[s:], logp[s:], ent[s:], loss_tok[s:],
                                 old[s:], adv[s:], wt[s:], tis[s:], ref[s:], V, 1.0 / temperature, lo, hi, delta,
-                                beta, HAS_KL=beta > 0, ON_POLICY=on_policy, WITH_ENT=with_entropy, BLOCK=BLOCK_V,
-                                num_warps=8)
+                                beta, pm, ps, pt, NP, HAS_KL=beta > 0, ON_POLICY=on_policy, WITH_ENT=with_entropy,
+                                BLOCK=BLOCK_V, FROM_TILES=tiles,
+                                PBLOCK=triton.next_power_of_2(NP) if tiles else 1, num_warps=8)
             _backprop_chunk(d, h, weight, gh[s:e] if need_h else None, gw)
-            del z, d
+            del z, d, pm, ps, pt
         _keep_grads(ctx, gh, gw, weight)
         del gw
         return loss_tok.sum(), logp, (ent if with_entropy else None)
 
     @staticmethod
     def backward(ctx, g_loss, _g_logp, _g_ent):
-        return _scaled_grads(ctx, g_loss) + (None,) * 8
+        return _scaled_grads(ctx, g_loss) + (None,) * 9
 
 
 def linear_grpo_loss_triton(hidden, weight, ids, old_logp, advantages, token_weight, *, temperature=1.0,
                             epsilon=0.2, epsilon_high=None, delta=None, beta=0.0, ref_logp=None, tis=None,
-                            chunk=None, with_entropy=False, grad_weight_fp32=True):
+                            chunk=None, with_entropy=False, grad_weight_fp32=True, lse_epilogue=False):
     """The GRPO loss straight from hidden states, its gradients formed in forward, logits computed once.
 
     Flat per-token inputs [N] (scalars broadcast): old_logp (None: on-policy, old = logp detached,
@@ -436,6 +547,9 @@ def linear_grpo_loss_triton(hidden, weight, ids, old_logp, advantages, token_wei
     Token-level importance ratios only. chunk None: auto_chunk.
     grad_weight_fp32=False accumulates a trainable lm_head's gradient in its own dtype across chunks
     (as Liger-Kernel does): no float32 [V, H] buffer, half the read-modify-write per chunk.
+    lse_epilogue=True computes the logits with _logits_tiles, whose epilogue keeps per-tile log-sum-exp
+    statistics, so the row kernel reads each logit once instead of twice (where tile_stats_ok; else
+    the cuBLAS path).
     -> (loss = sum_t weight_t * loss_t, logp [N] detached, entropy [N] or None)."""
     _check("linear_grpo_loss", hidden, ids, temperature, chunk)
     if beta > 0 and ref_logp is None:
@@ -455,5 +569,5 @@ def linear_grpo_loss_triton(hidden, weight, ids, old_logp, advantages, token_wei
     chunk = auto_chunk(weight.shape[0], N, gw_bytes, cast_bytes) if chunk is None else int(chunk)
     loss, logp, ent = _LinearGRPO.apply(hidden.contiguous(), weight.contiguous(), ids.contiguous(), tok, params,
                                         chunk, bool(with_entropy), hidden.requires_grad and torch.is_grad_enabled(),
-                                        trains, gw_fp32)
+                                        trains, gw_fp32, bool(lse_epilogue) and tile_stats_ok(hidden, weight))
     return loss, logp.detach(), (ent.detach() if ent is not None else None)

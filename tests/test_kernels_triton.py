@@ -238,6 +238,7 @@ def test_real_size_qwen_1_5b_head(seed, dtype):
     assert rel(h.grad, gh) <= GRAD_TOL[dtype] and rel(w.grad, gw) <= GRAD_TOL[dtype], f"seed {seed}"
 
 
+@pytest.mark.parametrize("epilogue", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("opts", [
     dict(loss_type="dapo"),
@@ -246,19 +247,22 @@ def test_real_size_qwen_1_5b_head(seed, dtype):
     dict(loss_type="dr_grpo", beta=0.1, tis=True),
     dict(loss_type="bnpo", epsilon=0.1, beta=0.04, delta=2.0, tis=True),
 ])
-def test_in_kernel_grpo_loss_equals_autograd_of_per_token_loss(seed, dtype, opts):
+def test_in_kernel_grpo_loss_equals_autograd_of_per_token_loss(seed, dtype, opts, epilogue):
     """linear_grpo_loss (GRPO derivative computed in the kernel) == autograd through per_token_loss
-    and aggregate_loss in float64, with clipping on both sides, delta, KL, TIS and masked garbage."""
-    B, T, H, V = 3, 11, 16, 150
-    opts = dict(opts)
+    and aggregate_loss in float64, with clipping on both sides, delta, KL, TIS and masked garbage.
+    epilogue: the log-sum-exp from the logits matmul's tile statistics (bf16; float32 falls back to
+    cuBLAS), 33 rows in chunks of 8 under one 128-row tile, vocab 300 = one whole 256-wide tile + part."""
+    B, T, H, V = 3, 11, 16, 300
+    opts = dict(opts, lse_epilogue=epilogue)
     loss_type, use_tis = opts.pop("loss_type"), opts.pop("tis", False)
     h, w, ids = _linear_case(B * T, H, V, dtype)
+    assert tk.tile_stats_ok(h, w) == (dtype == torch.bfloat16)
     mask = torch.rand(B, T, device=DEV) > 0.25
     adv = torch.randn(B, device=DEV)
     lp0, _ = float64_logprobs(h.detach().double() @ w.detach().double().t(), ids, 0.9)
     old = lp0.view(B, T) + 0.4 * torch.randn(B, T, device=DEV, dtype=torch.float64)  # ratios well outside 1 +- eps
     old = old.masked_fill(~mask, float("nan")).float()  # garbage where masked must not leak
-    kw = {k: v for k, v in opts.items() if k != "grad_weight_fp32"}
+    kw = {k: v for k, v in opts.items() if k not in ("grad_weight_fp32", "lse_epilogue")}
     if kw.get("beta", 0) > 0:
         kw["ref_logp"] = (old - 0.2 * torch.rand(B, T, device=DEV)).float()
     if use_tis:
@@ -270,7 +274,8 @@ def test_in_kernel_grpo_loss_equals_autograd_of_per_token_loss(seed, dtype, opts
         h, w, ids, old.reshape(-1), adv.repeat_interleave(T), wts.reshape(-1), temperature=0.9,
         tis=None if tis is None else tis.reshape(-1),
         ref_logp=kw["ref_logp"].reshape(-1) if "ref_logp" in kw else None, chunk=8, with_entropy=True,
-        **{k: v for k, v in opts.items() if k in ("epsilon", "epsilon_high", "delta", "beta", "grad_weight_fp32")})
+        **{k: v for k, v in opts.items() if k in ("epsilon", "epsilon_high", "delta", "beta", "grad_weight_fp32",
+                                                  "lse_epilogue")})
     loss.backward()
 
     h64 = h.detach().double().requires_grad_()
@@ -288,7 +293,8 @@ def test_in_kernel_grpo_loss_equals_autograd_of_per_token_loss(seed, dtype, opts
 
 
 @pytest.mark.skipif(not CUDA, reason="real sizes need the GPU (run on the device machine)")
-def test_real_size_in_kernel_grpo_loss(seed):
+@pytest.mark.parametrize("epilogue", [False, True])
+def test_real_size_in_kernel_grpo_loss(seed, epilogue):
     B, T, H, V = 4, 1024, 1536, 151936
     h = torch.randn(B * T, H, device=DEV).bfloat16().requires_grad_()
     w = (torch.randn(V, H, device=DEV) * 0.02).bfloat16().requires_grad_()
@@ -301,12 +307,13 @@ def test_real_size_in_kernel_grpo_loss(seed):
     old = (lp64.detach().view(B, T) + 0.3 * torch.randn(B, T, device=DEV, dtype=torch.float64)).float()
     loss, logp, _ = tk.linear_grpo_loss_triton(h, w, ids, old.reshape(-1), adv.repeat_interleave(T),
                                                token_weights(mask, "dapo").reshape(-1), temperature=0.7,
-                                               epsilon_high=0.28)
+                                               epsilon_high=0.28, lse_epilogue=epilogue)
     loss.backward()
     ref = aggregate_loss(per_token_loss(lp64.view(B, T), old.double(), adv.double(), mask, epsilon_high=0.28),
                          mask, "dapo")
     ref.backward()
-    print(f"\nreal size grpo: loss {loss.item():.6f} vs {ref.item():.6f}, max|logp-f64| "
+    print(f"\nreal size grpo (lse epilogue {epilogue and tk.tile_stats_ok(h, w)}): "
+          f"loss {loss.item():.6f} vs {ref.item():.6f}, max|logp-f64| "
           f"{(logp.double() - lp64.detach()).abs().max():.2e}, grad_hidden rel {rel(h.grad, h64.grad):.2e}, "
           f"grad_weight rel {rel(w.grad, w64.grad):.2e}")
     assert abs(loss.item() - ref.item()) <= 1e-4 * max(1.0, abs(ref.item())), f"seed {seed}"
