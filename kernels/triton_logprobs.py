@@ -276,12 +276,12 @@ def tile_stats_ok(h, w):
     return _interpreting() or (h.is_cuda and torch.cuda.get_device_capability(h.device)[0] >= 9)
 
 
-def _logits_with_tiles(h, w, temperature, with_entropy):
+def _logits_with_tiles(h, w, temperature, with_entropy, tile=TILE):
     """h [n, H] @ w.T as float32 logits [n, V], and the per-tile statistics their log-sum-exp and
     entropy come from (pm, ps, pt [n, NP], NP)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    BM, BN, BK, warps, stages = TILE
+    BM, BN, BK, warps, stages = tile
     (n, H), V = h.shape, w.shape[0]
     NP = triton.cdiv(V, BN)
     z = torch.empty(n, V, dtype=torch.float32, device=h.device)
