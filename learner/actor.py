@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from tandem.learner.advantages import compute_advantages, total_rewards
-from tandem.learner.batch import Samples, collate
+from tandem.learner.batch import Samples, collate, to_device
 from tandem.learner.logprobs import completion_grpo_loss, completion_logprobs
 from tandem.learner.loss import aggregate_loss, loss_metrics, per_token_loss, tis_weight, token_weights
 from tandem.learner.model import load_frozen_reference, load_policy, reference_context, trainable_state_dict
@@ -32,14 +32,11 @@ def _check_token_ids(groups, vocab: int):
     assert, which takes the whole process down): name the group and the id instead."""
     for g in groups:
         for name, ids in (("prompt_ids", g.prompt_ids), ("tokens", g.tokens)):
-            if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
-                bad = int(ids.min() if ids.min() < 0 else ids.max())
+            lo, hi = (int(ids.min()), int(ids.max())) if len(ids) else (0, 0)
+            if lo < 0 or hi >= vocab:
+                bad = lo if lo < 0 else hi
                 raise ValueError(f"Learner.train: group {g.group_id} {name} holds token id {bad}; the model's "
                                  f"vocabulary is 0..{vocab - 1}")
-
-
-def _on(mb: dict, device) -> dict:
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in mb.items()}
 
 
 def lr_lambda(kind: str, warmup: int, total: int):
@@ -181,7 +178,7 @@ class Learner:
                                  g.scale_rewards)
         mk = dict(pad_id=self.pad_id, mask_truncated=g.mask_truncated_completions)
         S = plan.steps_per_generation
-        mbs = [_on(collate(s, plan.rows(k, self.rank), adv, **mk), self.device) for k in range(S)]
+        mbs = [to_device(collate(s, plan.rows(k, self.rank), adv, **mk), self.device) for k in range(S)]
         self.engine.train()
         with torch.no_grad():
             old = [self._logp(mb)[0] for mb in mbs] if self.needs_old() else None

@@ -63,3 +63,8 @@ def collate(s: Samples, rows, advantages: torch.Tensor, *, pad_id: int, mask_tru
     pos = (attn.cumsum(-1) - 1).clamp(min=0)  # positions as an unpadded sequence (what vLLM sees)
     return {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "completion_ids": comp,
             "mask": mask, "sampler_logp": samp, "advantages": advantages[rows].float()}
+
+
+def to_device(mb: dict, device) -> dict:
+    """A collated micro-batch (built on the host) on the model's device."""
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in mb.items()}

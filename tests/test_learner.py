@@ -103,7 +103,7 @@ def test_two_ppo_epochs_match_hand_rolled_loop(tmp_path, tiny_model):
 
 
 def test_positive_advantage_raises_logprob(tmp_path, tiny_model):
-    from tandem.learner.batch import Samples, collate
+    from tandem.learner.batch import Samples, collate, to_device
     from tandem.learner.logprobs import completion_logprobs
 
     groups = make_groups(1, 4, seed=3)
@@ -113,7 +113,7 @@ def test_positive_advantage_raises_logprob(tmp_path, tiny_model):
     cfg = job(tmp_path, tiny_model, per=4, ga=1, spg=1, optimizer={"learning_rate": 1e-2})
     lr = Learner(cfg, port=free_port())
     s = Samples.from_groups(groups)
-    mb = {k: v.to(lr.device) for k, v in collate(s, range(4), torch.zeros(4), pad_id=0, mask_truncated=False).items()}
+    mb = to_device(collate(s, range(4), torch.zeros(4), pad_id=0, mask_truncated=False), lr.device)
 
     def seq_logp():
         with torch.no_grad():
@@ -147,7 +147,7 @@ def test_checkpoint_resume_is_bit_identical(tmp_path, tiny_model):
 
 
 def test_reference_is_base_model(tmp_path, tiny_model):
-    from tandem.learner.batch import Samples, collate
+    from tandem.learner.batch import Samples, collate, to_device
     from tandem.learner.logprobs import completion_logprobs
     from transformers import AutoModelForCausalLM
 
@@ -158,7 +158,7 @@ def test_reference_is_base_model(tmp_path, tiny_model):
     lr.train(groups)
     lr.train(groups)  # adapter now non-zero
     s = Samples.from_groups(groups)
-    mb = {k: v.to(lr.device) for k, v in collate(s, range(4), torch.zeros(4), pad_id=0, mask_truncated=False).items()}
+    mb = to_device(collate(s, range(4), torch.zeros(4), pad_id=0, mask_truncated=False), lr.device)
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).to(lr.device)
     with torch.no_grad():
         want = completion_logprobs(base, mb, 1.0)[0]
