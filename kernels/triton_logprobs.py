@@ -3,20 +3,24 @@
 Row kernels (one program per row, vocabulary walked in blocks, nothing [rows, vocab] kept):
   _row_stats:  logits -> lse, logp of the chosen token, entropy (one read of the row)
   _row_grad:   logits, lse, dL/dlogp -> dL/dlogits = g/T * (onehot - softmax), written in place
-  _row_grpo:   both, with the GRPO loss and its derivative computed in between (one launch); or,
-               FROM_TILES, the log-sum-exp from _logits_tiles' statistics and one read of the row
-  _logits_tiles: the logits matmul (persistent, TMA) keeping per-tile max / sum exp in its epilogue
+  _row_grpo:   both, with the GRPO loss and its derivative computed in between (one launch)
+  _logits_tiles: the logits matmul (persistent, TMA) keeping per-tile max / sum exp, the chosen logit
+               and float16 exp(logit - tile max) in its epilogue (2 bytes a logit, not 4)
+  _tiles_grpo: _row_grpo after _logits_tiles: log-sum-exp from the tile statistics, one read of e
 
 Entry points (the PyTorch references live in `logprobs.py` and `learner/loss.py`):
   selective_logprobs_triton    logits exist; backward from the saved lse (no softmax stored)
   linear_logprobs_triton       hidden @ lm_head.T a chunk of rows at a time; backward recomputes a chunk
   linear_logprobs_loss_triton  any loss that is a sum of per-token terms (a PyTorch function): each
                                chunk's gradients are formed right after its forward, logits computed once
-  linear_grpo_loss_triton      the same for the GRPO loss, its derivative inside _row_grpo
+  linear_grpo_loss_triton      the same for the GRPO loss, its derivative in the row kernel
 
 The chunk's logits are float32 (cuBLAS accumulates in float32 and writes float32), so log-probs
 carry no bf16 rounding of the logits; dL/dlogits is then written in the weight's dtype over the
 front half of each float32 row (_front_view), so a chunk costs 4 bytes per logit, once.
+_logits_tiles (bf16/fp16 on Hopper) keeps only what the GRPO gradient needs instead: the log-sum-exp
+from float32 tile statistics, the chosen logit in float32, and softmax as float16 e * exp(m - lse),
+whose 2^-11 relative rounding is below that of dL/dlogits' own bf16 (2^-9).
 """
 
 from __future__ import annotations
@@ -136,24 +140,10 @@ def _lse_from_tiles(pm_ptr, ps_ptr, pt_ptr, NP, WITH_ENT: tl.constexpr, PBLOCK: 
 
 
 @triton.jit
-def _row_grpo(z_ptr, z_stride, d_ptr, d_stride, ids_ptr, logp_ptr, ent_ptr, loss_ptr,
-              old_ptr, adv_ptr, wt_ptr, tis_ptr, ref_ptr, V, inv_t, lo, hi, delta, beta,
-              pm_ptr, ps_ptr, pt_ptr, NP,
-              HAS_KL: tl.constexpr, ON_POLICY: tl.constexpr, WITH_ENT: tl.constexpr, BLOCK: tl.constexpr,
-              FROM_TILES: tl.constexpr, PBLOCK: tl.constexpr):
-    """One row: log-sum-exp (a pass over the logits, or FROM_TILES the matmul's tile statistics), then
-    the loss's gradient written as dL/dlogits (in place)."""
-    row = tl.program_id(0).to(tl.int64)
-    zb = z_ptr + row * z_stride
-    if FROM_TILES:
-        lse, ent = _lse_from_tiles(pm_ptr + row * NP, ps_ptr + row * NP, pt_ptr + row * NP, NP, WITH_ENT, PBLOCK)
-    else:
-        lse, ent = _lse_pass(zb, V, inv_t, WITH_ENT, BLOCK)
-    tok = tl.load(ids_ptr + row)
-    lp = tl.load(zb + tok).to(tl.float32) * inv_t - lse
+def _grpo_coef(row, lp, logp_ptr, loss_ptr, old_ptr, adv_ptr, wt_ptr, tis_ptr, ref_ptr, inv_t, lo, hi, delta, beta,
+               HAS_KL: tl.constexpr, ON_POLICY: tl.constexpr):
+    """A row's log-prob lp stored, its weighted GRPO loss stored, dL/dlp * weight / T returned."""
     tl.store(logp_ptr + row, lp)
-    if WITH_ENT:
-        tl.store(ent_ptr + row, ent)
     wt = tl.load(wt_ptr + row)
     ref = 0.0
     if HAS_KL:
@@ -166,18 +156,67 @@ def _row_grpo(z_ptr, z_stride, d_ptr, d_stride, ids_ptr, logp_ptr, ent_ptr, loss
                           lo, hi, delta, beta, HAS_KL)
     # masked tokens: weight 0, and their inputs may be garbage (inf/NaN): nothing of them passes
     tl.store(loss_ptr + row, tl.where(wt != 0.0, loss * wt, 0.0))
-    coef = tl.where(wt != 0.0, g * wt, 0.0) * inv_t
+    return tl.where(wt != 0.0, g * wt, 0.0) * inv_t
+
+
+@triton.jit
+def _row_grpo(z_ptr, z_stride, d_ptr, d_stride, ids_ptr, logp_ptr, ent_ptr, loss_ptr,
+              old_ptr, adv_ptr, wt_ptr, tis_ptr, ref_ptr, V, inv_t, lo, hi, delta, beta,
+              HAS_KL: tl.constexpr, ON_POLICY: tl.constexpr, WITH_ENT: tl.constexpr, BLOCK: tl.constexpr):
+    """One row of float32 logits: log-sum-exp (one pass), the loss, then its gradient written as
+    dL/dlogits (in place, a second pass)."""
+    row = tl.program_id(0).to(tl.int64)
+    zb = z_ptr + row * z_stride
+    lse, ent = _lse_pass(zb, V, inv_t, WITH_ENT, BLOCK)
+    if WITH_ENT:
+        tl.store(ent_ptr + row, ent)
+    tok = tl.load(ids_ptr + row)
+    lp = tl.load(zb + tok).to(tl.float32) * inv_t - lse
+    coef = _grpo_coef(row, lp, logp_ptr, loss_ptr, old_ptr, adv_ptr, wt_ptr, tis_ptr, ref_ptr, inv_t, lo, hi, delta,
+                      beta, HAS_KL, ON_POLICY)
     _grad_pass(zb, d_ptr + row * d_stride, coef, lse, tok, V, inv_t, BLOCK)
 
 
 @triton.jit
-def _logits_tiles(h_desc, w_desc, z_desc, pm_ptr, ps_ptr, pt_ptr, M, N, K, NP, inv_t,
+def _tiles_grpo(e_ptr, d_ptr, st_ptr, pm_ptr, ps_ptr, pt_ptr, NP, ids_ptr, logp_ptr, ent_ptr, loss_ptr,
+                old_ptr, adv_ptr, wt_ptr, tis_ptr, ref_ptr, V, inv_t, lo, hi, delta, beta,
+                HAS_KL: tl.constexpr, ON_POLICY: tl.constexpr, WITH_ENT: tl.constexpr,
+                BN: tl.constexpr, TB: tl.constexpr, PBLOCK: tl.constexpr):
+    """One row after _logits_tiles: log-sum-exp and entropy from its tile statistics, the log-prob
+    from its float32 chosen logit, then dL/dlogits = coef * (onehot - e * exp(m_tile - lse)) from the
+    float16 e = exp(s - m_tile), written over e (TB tiles of BN at a time): one read, one write."""
+    row = tl.program_id(0).to(tl.int64)
+    pm = pm_ptr + row * NP
+    lse, ent = _lse_from_tiles(pm, ps_ptr + row * NP, pt_ptr + row * NP, NP, WITH_ENT, PBLOCK)
+    if WITH_ENT:
+        tl.store(ent_ptr + row, ent)
+    coef = _grpo_coef(row, tl.load(st_ptr + row) - lse, logp_ptr, loss_ptr, old_ptr, adv_ptr, wt_ptr, tis_ptr,
+                      ref_ptr, inv_t, lo, hi, delta, beta, HAS_KL, ON_POLICY)
+    tok = tl.load(ids_ptr + row)
+    eb = e_ptr + row * V
+    db = d_ptr + row * V
+    for t0 in range(0, NP, TB):
+        tiles = t0 + tl.arange(0, TB)
+        offs = tiles[:, None] * BN + tl.arange(0, BN)[None, :]
+        ok = offs < V
+        if coef == 0.0:  # masked row: zeros, e unread
+            tl.store(db + offs, tl.zeros([TB, BN], tl.float32).to(db.dtype.element_ty), mask=ok)
+        else:
+            f = tl.exp(tl.load(pm + tiles, mask=tiles < NP, other=-float("inf")) - lse)
+            p = tl.load(eb + offs, mask=ok, other=0.0).to(tl.float32) * f[:, None]
+            d = coef * (tl.where(offs == tok, 1.0, 0.0) - p)
+            tl.store(db + offs, d.to(db.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _logits_tiles(h_desc, w_desc, e_desc, ids_ptr, st_ptr, pm_ptr, ps_ptr, pt_ptr, M, N, K, NP, inv_t,
                   NUM_PROGS: tl.constexpr, WITH_ENT: tl.constexpr, UPCAST: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """z = h @ w.T in float32, plus per row and BN-wide tile: max, sum exp and sum exp * s of s = z / T.
+    """s = h @ w.T / T (float32 accumulation), kept as: per row and BN-wide tile its max m, sum exp(s - m)
+    and sum exp(s - m) * s; e = exp(s - m) in float16 (relative error 2^-11, 2 bytes a logit); and
+    each row's chosen s in float32 (st, written by the tile holding it).
     Persistent over tiles (consecutive tiles share a w tile; h stays in L2), operands through tensor
-    descriptors (TMA on Hopper), the float32 tile stored in two halves (a whole one would not fit in
-    shared memory beside the pipeline). bench/logits_gemm_gpu.py: cuBLAS speed on an H200."""
+    descriptors (TMA on Hopper), e stored in two halves. bench/logits_gemm_gpu.py: cuBLAS speed on an H200."""
     num_m = tl.cdiv(M, BM)
     for tile in tl.range(tl.program_id(0), num_m * NP, NUM_PROGS, flatten=True):
         pid_m = tile % num_m
@@ -191,19 +230,24 @@ def _logits_tiles(h_desc, w_desc, z_desc, pm_ptr, ps_ptr, pt_ptr, M, N, K, NP, i
             if UPCAST:  # Triton's interpreter would multiply bf16 bit patterns as integers
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, b.T, acc)
-        lo, hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
-        z_desc.store([off_m, off_n], lo)
-        z_desc.store([off_m, off_n + BN // 2], hi)
         offs_m = off_m + tl.arange(0, BM)
-        ok_n = (off_n + tl.arange(0, BN))[None, :] < N
+        ok_m = offs_m < M
+        cols = off_n + tl.arange(0, BN)
+        ok_n = cols[None, :] < N
         sc = tl.where(ok_n, acc * inv_t, -float("inf"))
         m = tl.max(sc, 1)
         e = tl.exp(sc - m[:, None])
+        lo, hi = tl.split(tl.permute(tl.reshape(e.to(tl.float16), (BM, 2, BN // 2)), (0, 2, 1)))
+        e_desc.store([off_m, off_n], lo)
+        e_desc.store([off_m, off_n + BN // 2], hi)
         at = offs_m.to(tl.int64) * NP + pid_n
-        tl.store(pm_ptr + at, m, mask=offs_m < M)
-        tl.store(ps_ptr + at, tl.sum(e, 1), mask=offs_m < M)
+        tl.store(pm_ptr + at, m, mask=ok_m)
+        tl.store(ps_ptr + at, tl.sum(e, 1), mask=ok_m)
         if WITH_ENT:
-            tl.store(pt_ptr + at, tl.sum(tl.where(ok_n, e * sc, 0.0), 1), mask=offs_m < M)
+            tl.store(pt_ptr + at, tl.sum(e * tl.where(ok_n, sc, 0.0), 1), mask=ok_m)
+        tok = tl.load(ids_ptr + offs_m, mask=ok_m, other=-1)
+        st = tl.sum(tl.where(cols[None, :] == tok[:, None], sc, 0.0), 1)
+        tl.store(st_ptr + offs_m, st, mask=ok_m & (tok >= off_n) & (tok < off_n + BN))
 
 
 def _check(name, logits_or_hidden, ids, temperature, chunk=1):
@@ -270,30 +314,31 @@ def _programs(device_index):
 
 def tile_stats_ok(h, w):
     """Whether _logits_tiles serves h @ w.T: bf16/fp16 on a GPU with TMA (compute capability 9+), or
-    Triton's interpreter; row strides 16-byte aligned (hidden % 8, vocab % 4). Else cuBLAS + _lse_pass."""
-    if h.dtype not in (torch.bfloat16, torch.float16) or w.dtype != h.dtype or h.shape[1] % 8 or w.shape[0] % 4:
+    Triton's interpreter; row strides 16-byte aligned (hidden % 8, vocab % 8). Else cuBLAS + _lse_pass."""
+    if h.dtype not in (torch.bfloat16, torch.float16) or w.dtype != h.dtype or h.shape[1] % 8 or w.shape[0] % 8:
         return False
     return _interpreting() or (h.is_cuda and torch.cuda.get_device_capability(h.device)[0] >= 9)
 
 
-def _logits_with_tiles(h, w, temperature, with_entropy, tile=TILE):
-    """h [n, H] @ w.T as float32 logits [n, V], and the per-tile statistics their log-sum-exp and
-    entropy come from (pm, ps, pt [n, NP], NP)."""
+def _logits_with_tiles(h, w, ids, temperature, with_entropy, tile=TILE):
+    """_logits_tiles on h [n, H], w [V, H], ids [n] -> e [n, V] float16, st [n] (NaN where an id is
+    outside the vocabulary), tile statistics (pm, ps, pt [n, NP], NP)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     BM, BN, BK, warps, stages = tile
     (n, H), V = h.shape, w.shape[0]
     NP = triton.cdiv(V, BN)
-    z = torch.empty(n, V, dtype=torch.float32, device=h.device)
+    e = torch.empty(n, V, dtype=torch.float16, device=h.device)
+    st = torch.full((n,), float("nan"), dtype=torch.float32, device=h.device)
     pm = torch.empty(n, NP, dtype=torch.float32, device=h.device)
     ps = torch.empty_like(pm)
     pt = torch.empty_like(pm) if with_entropy else ps
     progs = 4 if _interpreting() else _programs(h.device.index or 0)
     _logits_tiles[(progs,)](TensorDescriptor.from_tensor(h, [BM, BK]), TensorDescriptor.from_tensor(w, [BN, BK]),
-                            TensorDescriptor.from_tensor(z, [BM, BN // 2]), pm, ps, pt, n, V, H, NP, 1.0 / temperature,
-                            NUM_PROGS=progs, WITH_ENT=with_entropy, UPCAST=_interpreting(), BM=BM, BN=BN, BK=BK,
-                            num_warps=warps, num_stages=stages)
-    return z, (pm, ps, pt, NP)
+                            TensorDescriptor.from_tensor(e, [BM, BN // 2]), ids, st, pm, ps, pt, n, V, H, NP,
+                            1.0 / temperature, NUM_PROGS=progs, WITH_ENT=with_entropy, UPCAST=_interpreting(),
+                            BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
+    return e, st, (pm, ps, pt, NP)
 
 
 def _mm_into(out, d, weight):
@@ -424,13 +469,14 @@ def _scaled_grads(ctx, g_loss):
     return gh, gw
 
 
-def auto_chunk(V, rows, grad_weight_bytes=0, cast_bytes=0):
-    """Rows per chunk: float32 logits within max(0.6 GiB, 1.35 GiB - grad-weight buffer, its cast)
+def auto_chunk(V, rows, grad_weight_bytes=0, cast_bytes=0, logit_bytes=4):
+    """Rows per chunk: logits of `logit_bytes` (float32: 4; _logits_tiles' float16 e: 2) within
+    max(0.55 GiB, 1.35 GiB - grad-weight buffer, its cast)
     (the cast of a float32 buffer to the weight dtype is made beside it at the end anyway), so the
     extra memory stays near 1.4 GiB at vocab 152k and hidden 1536, yet chunks stay large enough for
     full-speed matmuls and few read-modify-writes of the buffer; `rows` split evenly (no small tail)."""
-    budget = max(0.6 * 2**30, 1.35 * 2**30 - grad_weight_bytes, cast_bytes)
-    most = max(128, int(budget // (4 * V)) // 128 * 128)
+    budget = max(0.55 * 2**30, 1.35 * 2**30 - grad_weight_bytes, cast_bytes)
+    most = max(128, int(budget // (logit_bytes * V)) // 128 * 128)
     per = -(-rows // max(1, -(-rows // most)))
     return max(128, (per + 127) // 128 * 128)
 
@@ -510,23 +556,25 @@ class _LinearGRPO(torch.autograd.Function):
         old, adv, wt, tis, ref = tok
         on_policy = old is None
         old = logp if on_policy else old  # a pointer the kernel never reads
+        scalars = (V, 1.0 / temperature, lo, hi, delta, beta)
+        flags = dict(HAS_KL=beta > 0, ON_POLICY=on_policy, WITH_ENT=with_entropy, num_warps=8)
         for s in range(0, N, chunk):
             e = min(s + chunk, N)
             h = hidden[s:e]
+            rows = (ids[s:], logp[s:], ent[s:], loss_tok[s:], old[s:], adv[s:], wt[s:], tis[s:], ref[s:])
             if tiles:
-                z, (pm, ps, pt, NP) = _logits_with_tiles(h, weight, temperature, with_entropy)
+                ex, st, (pm, ps, pt, NP) = _logits_with_tiles(h, weight, ids[s:e], temperature, with_entropy)
+                d = ex.view(weight.dtype)  # written over ex, element by element
+                _tiles_grpo[(e - s,)](ex, d, st, pm, ps, pt, NP, *rows, *scalars, BN=TILE[1], TB=BLOCK_V // TILE[1],
+                                      PBLOCK=triton.next_power_of_2(NP), **flags)
+                del ex, st, pm, ps, pt
             else:
                 z = _logits_f32(h, weight)
-                pm = ps = pt = z  # pointers the kernel never reads
-                NP = 0
-            d = _front_view(z, weight.dtype)
-            _row_grpo[(e - s,)](z, z.stride(0), d, d.stride(0), ids[s:], logp[s:], ent[s:], loss_tok[s:],
-                                old[s:], adv[s:], wt[s:], tis[s:], ref[s:], V, 1.0 / temperature, lo, hi, delta,
-                                beta, pm, ps, pt, NP, HAS_KL=beta > 0, ON_POLICY=on_policy, WITH_ENT=with_entropy,
-                                BLOCK=BLOCK_V, FROM_TILES=tiles,
-                                PBLOCK=triton.next_power_of_2(NP) if tiles else 1, num_warps=8)
+                d = _front_view(z, weight.dtype)
+                _row_grpo[(e - s,)](z, z.stride(0), d, d.stride(0), *rows, *scalars, BLOCK=BLOCK_V, **flags)
+                del z
             _backprop_chunk(d, h, weight, gh[s:e] if need_h else None, gw)
-            del z, d, pm, ps, pt
+            del d  # a view of this chunk's logits: free them before the next chunk's are made
         _keep_grads(ctx, gh, gw, weight)
         del gw
         return loss_tok.sum(), logp, (ent if with_entropy else None)
@@ -538,7 +586,7 @@ class _LinearGRPO(torch.autograd.Function):
 
 def linear_grpo_loss_triton(hidden, weight, ids, old_logp, advantages, token_weight, *, temperature=1.0,
                             epsilon=0.2, epsilon_high=None, delta=None, beta=0.0, ref_logp=None, tis=None,
-                            chunk=None, with_entropy=False, grad_weight_fp32=True, lse_epilogue=False):
+                            chunk=None, with_entropy=False, grad_weight_fp32=True, lse_epilogue=True):
     """The GRPO loss straight from hidden states, its gradients formed in forward, logits computed once.
 
     Flat per-token inputs [N] (scalars broadcast): old_logp (None: on-policy, old = logp detached,
@@ -547,9 +595,9 @@ def linear_grpo_loss_triton(hidden, weight, ids, old_logp, advantages, token_wei
     Token-level importance ratios only. chunk None: auto_chunk.
     grad_weight_fp32=False accumulates a trainable lm_head's gradient in its own dtype across chunks
     (as Liger-Kernel does): no float32 [V, H] buffer, half the read-modify-write per chunk.
-    lse_epilogue=True computes the logits with _logits_tiles, whose epilogue keeps per-tile log-sum-exp
-    statistics, so the row kernel reads each logit once instead of twice (where tile_stats_ok; else
-    the cuBLAS path).
+    lse_epilogue (where tile_stats_ok; else, or False: cuBLAS float32 logits read twice) computes the
+    logits with _logits_tiles, whose epilogue keeps per-tile log-sum-exp statistics, the chosen logit
+    and float16 exp(s - tile max): 2 bytes a logit, read once by the row kernel (_tiles_grpo).
     -> (loss = sum_t weight_t * loss_t, logp [N] detached, entropy [N] or None)."""
     _check("linear_grpo_loss", hidden, ids, temperature, chunk)
     if beta > 0 and ref_logp is None:
@@ -566,8 +614,9 @@ def linear_grpo_loss_triton(hidden, weight, ids, old_logp, advantages, token_wei
     trains = weight.requires_grad and torch.is_grad_enabled()
     gw_bytes = weight.numel() * (4 if gw_fp32 else weight.element_size()) if trains else 0
     cast_bytes = weight.numel() * weight.element_size() if trains and weight.dtype != torch.float32 and gw_fp32 else 0
-    chunk = auto_chunk(weight.shape[0], N, gw_bytes, cast_bytes) if chunk is None else int(chunk)
+    tiles = bool(lse_epilogue) and tile_stats_ok(hidden, weight)
+    chunk = auto_chunk(weight.shape[0], N, gw_bytes, cast_bytes, 2 if tiles else 4) if chunk is None else int(chunk)
     loss, logp, ent = _LinearGRPO.apply(hidden.contiguous(), weight.contiguous(), ids.contiguous(), tok, params,
                                         chunk, bool(with_entropy), hidden.requires_grad and torch.is_grad_enabled(),
-                                        trains, gw_fp32, bool(lse_epilogue) and tile_stats_ok(hidden, weight))
+                                        trains, gw_fp32, tiles)
     return loss, logp.detach(), (ent.detach() if ent is not None else None)

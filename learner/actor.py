@@ -215,7 +215,7 @@ class Learner:
                 if g.loss_type != "dapo":
                     loss = loss / (GA * W)
                 if not torch.isfinite(loss):
-                    raise FloatingPointError(f"Learner.train: non-finite loss {float(loss)} at micro-step {m.index}; "
+                    raise FloatingPointError(f"Learner.train: non-finite loss {float(loss.detach())} at micro-step {m.index}; "
                                              "weights not updated")
                 self.engine.backward(loss * (GA * W))
                 if self.engine.is_gradient_accumulation_boundary():

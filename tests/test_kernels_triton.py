@@ -199,13 +199,15 @@ def test_auto_chunk_splits_rows_evenly_within_the_memory_budget():
                                (151936, 1536, True, False), (50000, 64, False, True)]:
         gw = V * H * (4 if fp32 else 2) if trains else 0
         cast = V * H * 2 if trains and fp32 else 0
-        budget = max(0.6 * GiB, 1.35 * GiB - gw, cast)
-        most = int(budget // (4 * V)) // 128 * 128
-        for rows in (1, 127, 1000, 4096, 16384, 16385, 32768):
-            c = tk.auto_chunk(V, rows, gw, cast)
-            assert c % 128 == 0 and c * 4 * V <= budget, (V, H, rows, c)
-            assert -(-rows // c) == -(-rows // most), (V, H, rows, c)  # no more chunks than the budget needs
+        budget = max(0.55 * GiB, 1.35 * GiB - gw, cast)
+        for lb in (4, 2):  # float32 logits, or _logits_tiles' float16 e
+            most = int(budget // (lb * V)) // 128 * 128
+            for rows in (1, 127, 1000, 4096, 16384, 16385, 32768):
+                c = tk.auto_chunk(V, rows, gw, cast, lb)
+                assert c % 128 == 0 and c * lb * V <= budget, (V, H, rows, c)
+                assert -(-rows // c) == -(-rows // most), (V, H, rows, c)  # no more chunks than the budget needs
     assert tk.auto_chunk(151936, 16384) == 2048  # 8 equal chunks, not 7 of 2304 and a tail of 256
+    assert tk.auto_chunk(151936, 16384, logit_bytes=2) == 4096
 
 
 def test_bad_temperature_and_row_mismatch_are_named():
@@ -251,11 +253,12 @@ def test_in_kernel_grpo_loss_equals_autograd_of_per_token_loss(seed, dtype, opts
     """linear_grpo_loss (GRPO derivative computed in the kernel) == autograd through per_token_loss
     and aggregate_loss in float64, with clipping on both sides, delta, KL, TIS and masked garbage.
     epilogue: the log-sum-exp from the logits matmul's tile statistics (bf16; float32 falls back to
-    cuBLAS), 33 rows in chunks of 8 under one 128-row tile, vocab 300 = one whole 256-wide tile + part."""
-    B, T, H, V = 3, 11, 16, 300
+    cuBLAS), 33 rows in chunks of 8 under one 128-row tile, vocab 296 = one whole 256-wide tile + part."""
+    B, T, H, V = 3, 11, 16, 296
     opts = dict(opts, lse_epilogue=epilogue)
     loss_type, use_tis = opts.pop("loss_type"), opts.pop("tis", False)
     h, w, ids = _linear_case(B * T, H, V, dtype)
+    ids[:5] = torch.tensor([0, 127, 255, 256, V - 1])  # chosen logits at tile and half-tile edges
     assert tk.tile_stats_ok(h, w) == (dtype == torch.bfloat16)
     mask = torch.rand(B, T, device=DEV) > 0.25
     adv = torch.randn(B, device=DEV)
