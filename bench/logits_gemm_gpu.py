@@ -57,8 +57,10 @@ def main():
     print("|---|---|---|---|---|---|")
     print(f"| cuBLAS float32 out + two-read row kernel | {t_cub * 1e3:.0f} | {t_row * 1e3:.0f} | {base * 1e3:.0f} "
           f"| 1.00 | logp {err:.1e} |")
-    cfgs = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 256, 64, 8, 2), (128, 128, 64, 8, 4)] if cuda \
-        else [(16, 64, 16, 4, 1)]
+    cfgs = [(128, 256, 64, 8, 3, True, False), (128, 256, 64, 8, 3, False, False), (128, 256, 64, 8, 4, False, False),
+            (128, 256, 64, 8, 3, True, True), (128, 256, 64, 8, 3, False, True), (128, 256, 64, 4, 3, False, True),
+            (128, 128, 64, 4, 4, False, True), (128, 256, 128, 8, 2, False, False)] if cuda \
+        else [(16, 64, 16, 4, 1, True, False), (16, 64, 16, 4, 1, False, False)]
     for cfg in cfgs:
         try:
             e, st, (pm, ps, pt, NP) = _logits_with_tiles(h, w, ids, TEMP, False, tile=cfg)
@@ -70,7 +72,7 @@ def main():
                                   PBLOCK=triton.next_power_of_2(NP), **flags)
             t_one, err_p = timed_row(e, one_read)
             tot = t_mm + t_one
-            print(f"| _logits_tiles {cfg} (BM, BN, BK, warps, stages), float16 e + one-read row kernel | "
+            print(f"| _logits_tiles {cfg} (BM, BN, BK, warps, stages, split, warp-specialised), float16 e + one-read row kernel | "
                   f"{t_mm * 1e3:.0f} | {t_one * 1e3:.0f} | {tot * 1e3:.0f} | {tot / base:.2f} | "
                   f"lse {err_l:.1e}, logp {err_p:.1e} |", flush=True)
         except Exception as ex:  # a tile shape that does not fit the chip

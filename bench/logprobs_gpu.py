@@ -153,7 +153,7 @@ def floor(N, H, V, trainable):
     return t, (3 if trainable else 2) * 2 * N * H * V / t / 1e9  # tensors freed on return
 
 
-def profile(N=16384, model="1.5B", chunk=1024, trainable=False):
+def profile(N=16384, model="1.5B", trainable=False):
     """Where the grpo path's time goes: the top CUDA kernels of a few steps."""
     H, V = SHAPES[model]
     h = torch.randn(N, H, device="cuda").bfloat16().requires_grad_()
@@ -177,20 +177,22 @@ def profile(N=16384, model="1.5B", chunk=1024, trainable=False):
     t1.record()
     torch.cuda.synchronize()
     print(f"3 iterations unprofiled: wall {t0.elapsed_time(t1):.1f} ms")
-    print(f"profile grpo N={N} {model} chunk={chunk} trainable={trainable}: peak extra "
+    print(f"profile grpo N={N} {model} trainable={trainable}: peak extra "
           f"{(torch.cuda.max_memory_allocated() - base) / 2**30:.2f} GB")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
-    a = torch.randn(chunk, H, device="cuda").bfloat16()
-    for name, f in [("mm bf16 out", lambda: a @ w.t()),
-                    ("mm f32 out", lambda: torch.mm(a, w.t(), out_dtype=torch.float32)),
-                    ("mm f32 out, w first", lambda: torch.mm(w, a.t(), out_dtype=torch.float32))]:
-        f()
-        torch.cuda.synchronize()
-        m0 = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        f()
-        extra = (torch.cuda.max_memory_allocated() - m0) / 2**20
-        print(f"{name:22s} {triton.testing.do_bench(f, return_mode='median'):.3f} ms  peak {extra:.0f} MiB")
+    # cuBLAS efficiency of each of the three products by rows per chunk (TFLOP/s)
+    for rows in (1024, 1920, 2048, 4096, N):
+        print(f"rows {rows}: TFLOP/s " + ", ".join(f"{k} {v:.0f}" for k, v in product_rates(rows, H, w.detach()).items()))
+
+
+def product_rates(rows, H, w):
+    V = w.shape[0]
+    a = torch.randn(rows, H, device="cuda").bfloat16()
+    d = torch.randn(rows, V, device="cuda").bfloat16()
+    fl = 2 * rows * H * V / 1e9
+    return {name: fl / triton.testing.do_bench(f, return_mode="median") for name, f in [
+        ("logits f32 out", lambda: torch.mm(a, w.t(), out_dtype=torch.float32)), ("grad_hidden", lambda: d @ w),
+        ("grad_weight f32 out", lambda: torch.mm(d.t(), a, out_dtype=torch.float32))]}
 
 
 def main():

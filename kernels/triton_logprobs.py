@@ -211,14 +211,15 @@ def _tiles_grpo(e_ptr, d_ptr, st_ptr, pm_ptr, ps_ptr, pt_ptr, NP, ids_ptr, logp_
 @triton.jit
 def _logits_tiles(h_desc, w_desc, e_desc, ids_ptr, st_ptr, pm_ptr, ps_ptr, pt_ptr, M, N, K, NP, inv_t,
                   NUM_PROGS: tl.constexpr, WITH_ENT: tl.constexpr, UPCAST: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, WS: tl.constexpr):
     """s = h @ w.T / T (float32 accumulation), kept as: per row and BN-wide tile its max m, sum exp(s - m)
     and sum exp(s - m) * s; e = exp(s - m) in float16 (relative error 2^-11, 2 bytes a logit); and
     each row's chosen s in float32 (st, written by the tile holding it).
     Persistent over tiles (consecutive tiles share a w tile; h stays in L2), operands through tensor
-    descriptors (TMA on Hopper), e stored in two halves. bench/logits_gemm_gpu.py: cuBLAS speed on an H200."""
+    descriptors (TMA on Hopper), e stored whole or (SPLIT) in two halves; WS: Triton's warp
+    specialisation. bench/logits_gemm_gpu.py: cuBLAS speed on an H200."""
     num_m = tl.cdiv(M, BM)
-    for tile in tl.range(tl.program_id(0), num_m * NP, NUM_PROGS, flatten=True):
+    for tile in tl.range(tl.program_id(0), num_m * NP, NUM_PROGS, flatten=True, warp_specialize=WS):
         pid_m = tile % num_m
         pid_n = tile // num_m
         off_m = pid_m * BM
@@ -237,9 +238,12 @@ def _logits_tiles(h_desc, w_desc, e_desc, ids_ptr, st_ptr, pm_ptr, ps_ptr, pt_pt
         sc = tl.where(ok_n, acc * inv_t, -float("inf"))
         m = tl.max(sc, 1)
         e = tl.exp(sc - m[:, None])
-        lo, hi = tl.split(tl.permute(tl.reshape(e.to(tl.float16), (BM, 2, BN // 2)), (0, 2, 1)))
-        e_desc.store([off_m, off_n], lo)
-        e_desc.store([off_m, off_n + BN // 2], hi)
+        if SPLIT:
+            lo, hi = tl.split(tl.permute(tl.reshape(e.to(tl.float16), (BM, 2, BN // 2)), (0, 2, 1)))
+            e_desc.store([off_m, off_n], lo)
+            e_desc.store([off_m, off_n + BN // 2], hi)
+        else:
+            e_desc.store([off_m, off_n], e.to(tl.float16))
         at = offs_m.to(tl.int64) * NP + pid_n
         tl.store(pm_ptr + at, m, mask=ok_m)
         tl.store(ps_ptr + at, tl.sum(e, 1), mask=ok_m)
@@ -299,8 +303,8 @@ def _logits_f32(h, w):
     return torch.mm(h, w.t(), out_dtype=torch.float32)
 
 
-# BM, BN, BK, warps, stages of _logits_tiles: the fastest in bench/logits_gemm_gpu.py on an H200
-TILE = (128, 256, 64, 8, 3)
+# BM, BN, BK, warps, stages, SPLIT, WS of _logits_tiles: the fastest in bench/logits_gemm_gpu.py on an H200
+TILE = (128, 256, 64, 8, 3, False, False)
 
 
 def _interpreting():
@@ -325,7 +329,7 @@ def _logits_with_tiles(h, w, ids, temperature, with_entropy, tile=TILE):
     outside the vocabulary), tile statistics (pm, ps, pt [n, NP], NP)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    BM, BN, BK, warps, stages = tile
+    BM, BN, BK, warps, stages, split, ws = tile
     (n, H), V = h.shape, w.shape[0]
     NP = triton.cdiv(V, BN)
     e = torch.empty(n, V, dtype=torch.float16, device=h.device)
@@ -335,9 +339,10 @@ def _logits_with_tiles(h, w, ids, temperature, with_entropy, tile=TILE):
     pt = torch.empty_like(pm) if with_entropy else ps
     progs = 4 if _interpreting() else _programs(h.device.index or 0)
     _logits_tiles[(progs,)](TensorDescriptor.from_tensor(h, [BM, BK]), TensorDescriptor.from_tensor(w, [BN, BK]),
-                            TensorDescriptor.from_tensor(e, [BM, BN // 2]), ids, st, pm, ps, pt, n, V, H, NP,
-                            1.0 / temperature, NUM_PROGS=progs, WITH_ENT=with_entropy, UPCAST=_interpreting(),
-                            BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
+                            TensorDescriptor.from_tensor(e, [BM, BN // 2 if split else BN]), ids, st, pm, ps, pt,
+                            n, V, H, NP, 1.0 / temperature, NUM_PROGS=progs, WITH_ENT=with_entropy,
+                            UPCAST=_interpreting(), BM=BM, BN=BN, BK=BK, SPLIT=split, WS=ws, num_warps=warps,
+                            num_stages=stages)
     return e, st, (pm, ps, pt, NP)
 
 
@@ -348,32 +353,36 @@ def _mm_into(out, d, weight):
         out.copy_(d.float() @ weight.float())
 
 
-def _backprop_chunk(d, h, weight, gh, gw):
+def _backprop_chunk(d, h, weight, gh, gw, first=False):
     """A chunk's dL/dlogits d [n, V] into grad_hidden rows gh [n, H] and the grad-weight buffer gw
-    (either may be None)."""
+    (either may be None); first: gw is written, not added to (it may be uninitialised)."""
     if gh is not None:
         _mm_into(gh, d, weight)
     if gw is not None:
-        _add_grad_weight(gw, d, h)
+        _add_grad_weight(gw, d, h, 0.0 if first else 1.0)
 
 
-def _grad_weight_buffer(weight, need_w, fp32=True):
-    return torch.zeros(weight.shape, dtype=torch.float32 if fp32 else weight.dtype,
-                       device=weight.device) if need_w else None
+def _grad_weight_buffer(weight, need_w, fp32=True, zero=True):
+    """zero=False: uninitialised, for a caller whose first chunk writes it whole (no memset pass)."""
+    if not need_w:
+        return None
+    return (torch.zeros if zero else torch.empty)(weight.shape, dtype=torch.float32 if fp32 else weight.dtype,
+                                                  device=weight.device)
 
 
-def _add_grad_weight(acc, d, h):
-    """acc [V, H] += d.T @ h (d, h in the weight dtype; float32 inside the product; acc float32
-    or, by choice, the weight dtype)."""
+def _add_grad_weight(acc, d, h, beta=1.0):
+    """acc [V, H] = beta * acc + d.T @ h (d, h in the weight dtype; float32 inside the product; acc
+    float32 or, by choice, the weight dtype). beta 0: acc is not read (NaN in it does not pass)."""
     if acc.dtype == d.dtype:
-        acc.addmm_(d.t(), h)
+        acc.addmm_(d.t(), h, beta=beta)
     elif acc.is_cuda:
         try:
-            torch.addmm(acc, d.t(), h, out_dtype=torch.float32, out=acc)
+            torch.addmm(acc, d.t(), h, beta=beta, out_dtype=torch.float32, out=acc)
         except (TypeError, RuntimeError):  # torch without mixed-dtype addmm: a float32 temporary
-            acc += torch.mm(d.t(), h, out_dtype=torch.float32)
+            prod = torch.mm(d.t(), h, out_dtype=torch.float32)
+            acc.add_(prod) if beta else acc.copy_(prod)
     else:
-        acc.addmm_(d.t().float(), h.float())
+        acc.addmm_(d.t().float(), h.float(), beta=beta)
 
 
 # ---------------------------------------------------------------------------- selective
@@ -458,15 +467,32 @@ def _keep_grads(ctx, gh, gw, weight):
 def _scaled_grads(ctx, g_loss):
     """The gradients formed in forward times the upstream scalar, which is never read on the host:
     that would wait for the GPU, which then idles while Python prepares the next step.
-    grad_hidden in place; the grad-weight buffer scaled (in float32) and cast in one pass."""
+    grad_hidden in place; the float32 grad-weight buffer scaled and cast in one pass (_scale_cast:
+    torch.mul with a 0-dim factor and a dtype change took 3x the memory time on an H200)."""
     (gh, gw), ctx.grads = ctx.grads, None
     if gh is not None:
         gh.mul_(g_loss.to(gh.dtype))
     if gw is not None and gw.dtype == ctx.weight_dtype:
         gw.mul_(g_loss.to(gw.dtype))
     elif gw is not None:
-        gw = torch.mul(gw, g_loss.float(), out=torch.empty(gw.shape, dtype=ctx.weight_dtype, device=gw.device))
+        out = torch.empty(gw.shape, dtype=ctx.weight_dtype, device=gw.device)
+        if gw.numel():
+            _scale_cast[(triton.cdiv(gw.numel(), SCALE_BLOCK),)](gw, g_loss.float(), out, gw.numel(),
+                                                                 BLOCK=SCALE_BLOCK, num_warps=8)
+        gw = out
     return gh, gw
+
+
+SCALE_BLOCK = 8192
+
+
+@triton.jit
+def _scale_cast(src_ptr, g_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """dst = src * g (a 0-dim tensor, read on the device), in dst's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(src_ptr + offs, mask=ok) * tl.load(g_ptr).to(tl.float32)
+    tl.store(dst_ptr + offs, x.to(dst_ptr.dtype.element_ty), mask=ok)
 
 
 def auto_chunk(V, rows, grad_weight_bytes=0, cast_bytes=0, logit_bytes=4):
@@ -552,7 +578,7 @@ class _LinearGRPO(torch.autograd.Function):
         ent = torch.empty_like(logp) if with_entropy else logp
         loss_tok = torch.empty_like(logp)
         gh = torch.empty_like(hidden) if need_h else None
-        gw = _grad_weight_buffer(weight, need_w, gw_fp32)
+        gw = _grad_weight_buffer(weight, need_w, gw_fp32, zero=N == 0)
         old, adv, wt, tis, ref = tok
         on_policy = old is None
         old = logp if on_policy else old  # a pointer the kernel never reads
@@ -573,7 +599,7 @@ class _LinearGRPO(torch.autograd.Function):
                 d = _front_view(z, weight.dtype)
                 _row_grpo[(e - s,)](z, z.stride(0), d, d.stride(0), *rows, *scalars, BLOCK=BLOCK_V, **flags)
                 del z
-            _backprop_chunk(d, h, weight, gh[s:e] if need_h else None, gw)
+            _backprop_chunk(d, h, weight, gh[s:e] if need_h else None, gw, first=s == 0)
             del d  # a view of this chunk's logits: free them before the next chunk's are made
         _keep_grads(ctx, gh, gw, weight)
         del gw

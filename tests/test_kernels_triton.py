@@ -193,6 +193,19 @@ def test_grpo_loss_backward_scales_with_upstream(seed, fp32_acc):
     assert rel(gh, 0.37 * gh1.double()) <= 4e-3 and rel(gw, 0.37 * gw1.double()) <= 4e-3, f"seed {seed}"
 
 
+@pytest.mark.parametrize("acc_dtype", [torch.float32, torch.bfloat16])
+def test_first_chunk_overwrites_an_uninitialised_grad_weight_buffer(acc_dtype):
+    """linear_grpo_loss allocates the grad-weight buffer without a memset: its first chunk writes it
+    (beta 0, whatever was there, NaN included), later chunks add."""
+    d, h = torch.randn(9, 30, device=DEV).bfloat16(), torch.randn(9, 8, device=DEV).bfloat16()
+    acc = torch.full((30, 8), float("nan"), dtype=acc_dtype, device=DEV)
+    tk._add_grad_weight(acc, d, h, 0.0)
+    prod = d.double().t() @ h.double()
+    assert rel(acc, prod) <= (1e-6 if acc_dtype == torch.float32 else 4e-3)
+    tk._add_grad_weight(acc, d, h)
+    assert rel(acc, 2 * prod) <= (1e-6 if acc_dtype == torch.float32 else 4e-3)
+
+
 def test_auto_chunk_splits_rows_evenly_within_the_memory_budget():
     GiB = 2**30
     for V, H, trains, fp32 in [(151936, 1536, False, True), (151936, 1536, True, True), (152064, 3584, True, True),
