@@ -1,4 +1,4 @@
-"""`tandem`: plan | run | tiny-model."""
+"""`tandem`: plan | run | scale | status | tiny-model."""
 
 from __future__ import annotations
 
@@ -57,6 +57,49 @@ def cmd_run(args) -> int:
     return run_job(cfg, address=args.address)
 
 
+def output_dir_of(path: str, overrides: list[str]) -> str:
+    """A job file's run directory (all `scale` and `status` need: the running job is found by it)."""
+    from tandem.services.config import LoggingConfig
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise JobConfigError(f"job file {path!r}: {e.strerror}") from None
+    for item in overrides:
+        apply_override(data, item)
+    return (data.get("logging") or {}).get("output_dir") or LoggingConfig().output_dir
+
+
+def worker_count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"num_rollout_workers = {text!r}; allowed a whole number >= 1")
+    return int(text)
+
+
+def cmd_scale(args) -> int:
+    from tandem.services.run import connect_controller
+
+    ray, ctl = connect_controller(output_dir_of(args.job, args.set), args.address)
+    st = ray.get(ctl.scale.remote(args.workers))
+    print(f"rollout workers: {st['workers']} now, {st['target_workers']} from the next generate call "
+          "(new ones start with the current adapter; removed ones finish their prompts first)")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from tandem.services.run import connect_controller
+
+    ray, ctl = connect_controller(output_dir_of(args.job, args.set), args.address)
+    st = ray.get(ctl.status.remote())
+    print(f"cycle {st['cycle']}/{st['total_cycles']}, policy version {st['version']}, rollout workers "
+          f"{st['workers']} (target {st['target_workers']}), prompts in flight {st['in_flight']}, "
+          f"groups buffered {st['buffered']}")
+    if st["counters"]:
+        print("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(st["counters"].items())))
+    return 0
+
+
 def cmd_tiny_model(args) -> int:
     from tandem.rollout.tiny_model import build_tiny_model
 
@@ -81,6 +124,19 @@ def main(argv: list[str] | None = None) -> int:
     sr.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     sr.add_argument("--address", default=None, help="Ray cluster address to join")
     sr.set_defaults(fn=cmd_run)
+
+    sc = sub.add_parser("scale", help="change the rollout worker count of a running job")
+    sc.add_argument("job", help="the job file it was started with (the job is found by its run directory)")
+    sc.add_argument("workers", type=worker_count, metavar="NUM_ROLLOUT_WORKERS")
+    sc.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    sc.add_argument("--address", default=None, help="Ray cluster address (default: the one on this machine)")
+    sc.set_defaults(fn=cmd_scale)
+
+    ss = sub.add_parser("status", help="cycle, version and workers of a running job")
+    ss.add_argument("job", help="the job file it was started with")
+    ss.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    ss.add_argument("--address", default=None, help="Ray cluster address (default: the one on this machine)")
+    ss.set_defaults(fn=cmd_status)
 
     st = sub.add_parser("tiny-model", help="write a tiny random-init model + local tokenizer")
     st.add_argument("dir")

@@ -9,8 +9,10 @@ stale): never lost, never trained on twice.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -55,6 +57,16 @@ class Cursor:
         self.requeued = deque(tuple(x) for x in st["requeued"])
 
 
+def one_at_a_time(method):
+    """The Controller actor runs two threads (so `scale` and `status` are answered during a cycle):
+    the methods that drive the job never run concurrently."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._drive:
+            return method(self, *args, **kwargs)
+    return run
+
+
 class Controller:
     def __init__(self, cfg, *, learner=None, workers=None):
         import ray
@@ -95,11 +107,15 @@ class Controller:
             ray.get([w.health.remote() for w in workers])
         self.learner = learner
         self.workers = workers
+        self._drive = threading.Lock()
+        self.target_workers = len(workers)  # tandem scale sets it; applied between generate calls
+        self.starting: dict = {}  # slot -> health ref of a worker added by scale, not yet serving
         self.version = 0
         self.cycle = 0
         self.next_group_id = 0
         self.inflight: dict = {}  # call ref -> (worker slot, [PromptItem])
         self.outstanding = Counter()  # worker slot -> prompts in flight
+        self.handed = Counter()  # worker slot -> prompts handed out so far (ties go to the least used)
         self.ready: list = []  # (meta, group ref), oldest first
         self.retries: Counter = Counter()
         self.seen: list[tuple[int, int, int]] = []  # (epoch, dataset index, version) of every trained group
@@ -120,20 +136,74 @@ class Controller:
         self.next_group_id += 1
         return it
 
+    def scale(self, n: int) -> dict:
+        """Set the number of rollout workers of a live job (`tandem scale`). Applied between generate
+        calls: new workers start with the current adapter; surplus ones (the last slots) get no new
+        prompts and stop once their calls have returned, so no prompt is lost or handed out twice."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"Controller.scale: num_rollout_workers = {n!r}; allowed a whole number >= 1")
+        self.target_workers = n
+        return self.status()
+
+    def status(self) -> dict:
+        return {"cycle": self.cycle, "total_cycles": self.total_cycles, "version": self.version,
+                "workers": len(self.workers), "target_workers": self.target_workers,
+                "in_flight": sum(self.outstanding.values()), "buffered": len(self.ready),
+                "counters": dict(self.counters)}
+
+    def _apply_scale(self) -> None:
+        from tandem.rollout.worker import rollout_actor_class
+
+        while len(self.workers) < self.target_workers:
+            w = rollout_actor_class(self.cfg).remote(self.cfg, len(self.workers))
+            if self.adapter_ref is not None:  # an actor runs its calls in order: before any generate
+                w.set_adapter.remote(self.version, self.adapter_ref)
+            self.starting[len(self.workers)] = w.health.remote()
+            self.workers.append(w)
+            self.counters["workers_added"] += 1
+        busy = {slot for slot, _, _ in self.inflight.values()}
+        while len(self.workers) > self.target_workers and len(self.workers) - 1 not in busy:
+            self._stop_worker(len(self.workers) - 1)
+            self.workers.pop()
+            for table in (self.outstanding, self.handed, self.starting):
+                table.pop(len(self.workers), None)
+            self.counters["workers_removed"] += 1
+        # a new worker serves once it has started (its resources may still be on their way)
+        for slot, ref in list(self.starting.items()):
+            if self.ray.wait([ref], timeout=0)[0]:
+                del self.starting[slot]
+                try:
+                    self.ray.get(ref)
+                except self.ray.exceptions.RayError as e:
+                    self.counters["worker_failures"] += 1
+                    self._replace_worker(slot, e)
+
+    def _stop_worker(self, slot: int) -> None:
+        w = self.workers[slot]
+        if slot not in self.starting:  # one still waiting for its resources has no engine to close
+            try:
+                self.ray.get(w.shutdown.remote(), timeout=30)  # engines first, so no shared memory leaks
+            except Exception:  # noqa: BLE001 - a dead worker has nothing left to stop
+                pass
+        self.ray.kill(w)
+
     def _dispatch(self, want: int) -> None:
         """Hand out prompts until `want` are buffered or in flight; the least-loaded worker first."""
-        per_call = max(1, -(-self.plan.unique_prompts // max(len(self.workers), 1)))
+        self._apply_scale()
+        live = min(len(self.workers), self.target_workers)  # slots above the target drain
+        per_call = max(1, -(-self.plan.unique_prompts // live))
         busy = {slot for slot, _, _ in self.inflight.values()}
         while len(self.ready) + sum(self.outstanding.values()) < want:
-            free = [s for s in range(len(self.workers)) if s not in busy]
+            free = [s for s in range(live) if s not in busy and s not in self.starting]
             if not free:
                 return
-            slot = min(free, key=lambda s: self.outstanding[s])
+            slot = min(free, key=lambda s: (self.outstanding[s], self.handed[s]))
             n = min(per_call, want - len(self.ready) - sum(self.outstanding.values()))
             items = [self._item(*self.cursor.next()) for _ in range(n)]
             refs = self.workers[slot].generate_refs.options(num_returns=n + 1).remote(items)
             self.inflight[refs[0]] = (slot, items, refs[1:])
             self.outstanding[slot] += n
+            self.handed[slot] += n
             busy.add(slot)
 
     def _collect(self, timeout: float | None) -> None:
@@ -195,6 +265,7 @@ class Controller:
 
     # --------------------------------------------------------------------------------- cycle
 
+    @one_at_a_time
     def step(self) -> dict:
         """One generation cycle: gather unique_prompts fresh groups, train, publish."""
         t0 = time.time()
@@ -271,6 +342,7 @@ class Controller:
         return {"cursor": cur, "cycle": self.cycle, "version": self.version, "next_group_id": self.next_group_id,
                 "seen": self.seen, "failed": self.failed, "counters": dict(self.counters)}
 
+    @one_at_a_time
     def save_checkpoint(self) -> str:
         root = Path(self.cfg.checkpoint_dir)
         root.mkdir(parents=True, exist_ok=True)
@@ -280,6 +352,7 @@ class Controller:
             shutil.rmtree(old, ignore_errors=True)
         return path
 
+    @one_at_a_time
     def resume(self) -> bool:
         found = complete_checkpoints(Path(self.cfg.checkpoint_dir))
         if not found:
@@ -295,14 +368,11 @@ class Controller:
             self._publish()
         return True
 
+    @one_at_a_time
     def shutdown(self) -> None:
-        """Stop the rollout workers (engines first, so no shared memory leaks) and the learner."""
-        for w in self.workers:
-            try:
-                self.ray.get(w.shutdown.remote(), timeout=30)
-            except Exception:  # noqa: BLE001 - a dead worker has nothing left to stop
-                pass
-            self.ray.kill(w)
+        """Stop the rollout workers and the learner."""
+        for slot in range(len(self.workers)):
+            self._stop_worker(slot)
         self.learner.shutdown()
 
     def _publish(self) -> None:

@@ -24,14 +24,56 @@ def start_ray(address: str | None, cfg):
     return ray
 
 
-def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:
+NAMESPACE = "tandem"
+
+
+def controller_name(output_dir: str) -> str:
+    """A running job's Controller is a named actor: `tandem scale` and `tandem status` find it by the
+    job's run directory (two jobs cannot share one)."""
+    return "controller:" + str(Path(output_dir).resolve())
+
+
+def start_controller(ray, cfg):
+    """The Controller actor, named after the run directory; two threads, so that `scale` and `status`
+    are answered while a cycle runs."""
+    from tandem.services.config import JobConfigError
     from tandem.services.controller import Controller
+
+    name = controller_name(cfg.logging.output_dir)
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return ray.remote(num_cpus=0, max_concurrency=2)(Controller).options(
+            name=name, namespace=NAMESPACE).remote(cfg)
+    raise JobConfigError(f"logging.output_dir = {cfg.logging.output_dir!r}: a job writing there is already "
+                         "running on this Ray cluster; allowed: a run directory no running job uses")
+
+
+def connect_controller(output_dir: str, address: str | None):
+    """The Controller of the job running with this run directory, on the cluster at `address`
+    (None: the one on this machine)."""
+    import ray
+    from tandem.services.config import JobConfigError
+
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
+        except ConnectionError as e:
+            raise JobConfigError(f"no Ray cluster at {address or 'this machine'} ({e})") from None
+    try:
+        return ray, ray.get_actor(controller_name(output_dir), namespace=NAMESPACE)
+    except ValueError:
+        raise JobConfigError(f"no running job writes to {output_dir!r} on the Ray cluster at "
+                             f"{address or 'this machine'}") from None
+
+
+def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:
     from tandem.services.plot import plot_run, read_metrics
     from tqdm import tqdm
 
     ray = start_ray(address, cfg)
     t_start = time.time()
-    ctl = ray.remote(num_cpus=0)(Controller).remote(cfg)
+    ctl = start_controller(ray, cfg)
     if cfg.checkpoint.resume:
         resumed = ray.get(ctl.resume.remote())
         print(f"resumed from checkpoint: {resumed}", file=out)
@@ -58,6 +100,7 @@ def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:
     bar.close()
     path = ray.get(ctl.save_checkpoint.remote())
     ray.get(ctl.shutdown.remote())
+    ray.kill(ctl)  # frees its name
     out_dir = Path(cfg.logging.output_dir)
     png = plot_run(out_dir / "metrics.jsonl", out_dir / "reward.png")
     rows = read_metrics(out_dir / "metrics.jsonl")

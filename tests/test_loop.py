@@ -103,3 +103,62 @@ def test_resume_continues_order_and_version(ray_session, tmp_path, tiny_model):
     assert r["version"] == 4 and r["done"]
     assert Counter((e, i) for e, i, _ in b.seen) == straight
     b.shutdown()
+
+
+def test_scale_up_and_down_loses_nothing(ray_session, tmp_path, tiny_model):
+    """`tandem scale` on a live job: a third worker joins with the current adapter and samples (ties
+    go to the least used worker); back to one, the others stop once their calls have returned; no
+    prompt lost or trained twice."""
+    cfg = loop_job(tmp_path, tiny_model, 1, batch={"max_steps": 6})
+    ctl = Controller(cfg)
+    ctl.step()
+    with pytest.raises(ValueError, match="scale: num_rollout_workers = 0; allowed a whole number >= 1"):
+        ctl.scale(0)
+    assert ctl.scale(3)["target_workers"] == 3
+    ctl._apply_scale()
+    ray_session.get(list(ctl.starting.values()))  # wait for it to start, so the next cycle uses it
+    for _ in range(2):
+        ctl.step()
+    assert len(ctl.workers) == 3 and ctl.counters["workers_added"] == 1
+    new = ray_session.get(ctl.workers[2].stats.remote())
+    assert new["version"] == ctl.version and new["groups"] > 0
+    gone = ctl.workers[1:]
+    ctl.scale(1)
+    for _ in range(3):
+        r = ctl.step()
+    assert r["done"] and len(ctl.workers) == 1 and ctl.counters["workers_removed"] == 2
+    for w in gone:
+        with pytest.raises(ray_session.exceptions.RayActorError):
+            ray_session.get(w.health.remote(), timeout=60)
+    assert len(ctl.seen) == 6 * ctl.plan.unique_prompts
+    check_accounting(ctl, 16)
+    ctl.shutdown()
+
+
+def test_tandem_scale_and_status_reach_the_running_job(ray_session, tmp_path, tiny_model, capsys):
+    """The CLI finds a running job's Controller by its run directory (a named actor) on the cluster."""
+    import yaml
+    from tandem.services.cli import main
+    from tandem.services.config import JobConfigError
+    from tandem.services.run import start_controller
+
+    cfg = loop_job(tmp_path, tiny_model, 0, cluster={"num_rollout_workers": 1}, batch={"max_steps": 2})
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"logging": {"output_dir": cfg.logging.output_dir}}))
+    ctl = start_controller(ray_session, cfg)
+    with pytest.raises(JobConfigError, match="already running on this Ray cluster"):
+        start_controller(ray_session, cfg)
+    first = ctl.step.remote()
+    assert main(["scale", str(job), "2"]) == 0
+    assert "2 from the next generate call" in capsys.readouterr().out
+    ray_session.get([first, ctl.step.remote()])
+    assert main(["status", str(job)]) == 0
+    out = capsys.readouterr().out
+    assert "cycle 2/2, policy version 2, rollout workers 2 (target 2)" in out and "workers_added 1" in out
+    with pytest.raises(SystemExit):
+        main(["scale", str(job), "0"])
+    assert "num_rollout_workers = '0'; allowed a whole number >= 1" in capsys.readouterr().err
+    ray_session.get(ctl.shutdown.remote())
+    ray_session.kill(ctl)
+    assert main(["status", str(job)]) == 2
+    assert f"no running job writes to {cfg.logging.output_dir!r}" in capsys.readouterr().err
