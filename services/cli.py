@@ -1,4 +1,4 @@
-"""`tandem`: plan | run | scale | status | tiny-model."""
+"""`tandem`: plan | run | submit | scale | status | tiny-model."""
 
 from __future__ import annotations
 
@@ -55,6 +55,27 @@ def cmd_run(args) -> int:
 
     cfg = JobConfig.from_yaml(args.job, args.set)
     return run_job(cfg, address=args.address)
+
+
+def cmd_submit(args) -> int:
+    from tandem.services.run import submit_job
+
+    JobConfig.from_yaml(args.job, args.set)  # a bad job file is refused here, not in the cluster's log
+    client, job_id = submit_job(args.job, args.set, args.address, args.working_dir)
+    where = f" --address {args.address}" if args.address else ""
+    print(f"submitted {job_id}: follow with `ray job logs -f {job_id}{where}`, stop with "
+          f"`ray job stop {job_id}{where}`; `tandem status {args.job}` on a machine of the cluster")
+    if not args.wait:
+        return 0
+    import asyncio
+
+    async def follow():
+        async for lines in client.tail_job_logs(job_id):
+            print(lines, end="", flush=True)
+    asyncio.run(follow())
+    status = client.get_job_status(job_id)
+    print(f"job {job_id}: {status}")
+    return 0 if str(status) == "SUCCEEDED" else 1
 
 
 def output_dir_of(path: str, overrides: list[str]) -> str:
@@ -124,6 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     sr.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     sr.add_argument("--address", default=None, help="Ray cluster address to join")
     sr.set_defaults(fn=cmd_run)
+
+    su = sub.add_parser("submit", help="run a job on a Ray cluster through its Jobs API (detached)")
+    su.add_argument("job")
+    su.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    su.add_argument("--address", default=None,
+                    help="the cluster's dashboard, e.g. http://head:8265 (default: RAY_ADDRESS, else this machine)")
+    su.add_argument("--working-dir", default=".",
+                    help="uploaded and made the job's working directory (default: here); '' uploads nothing")
+    su.add_argument("--wait", action="store_true", help="print the job's log until it ends; exit 1 unless it succeeded")
+    su.set_defaults(fn=cmd_submit)
 
     sc = sub.add_parser("scale", help="change the rollout worker count of a running job")
     sc.add_argument("job", help="the job file it was started with (the job is found by its run directory)")

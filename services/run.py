@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -65,6 +66,22 @@ def connect_controller(output_dir: str, address: str | None):
     except ValueError:
         raise JobConfigError(f"no running job writes to {output_dir!r} on the Ray cluster at "
                              f"{address or 'this machine'}") from None
+
+
+def submit_job(job: str, overrides: list[str], address: str | None, working_dir: str | None) -> tuple:
+    """`tandem run` of this job file as a Ray job (Jobs API of the cluster's dashboard at `address`;
+    None: RAY_ADDRESS or this machine). working_dir is uploaded and becomes the job's working
+    directory, so the job file and its relative paths must lie inside it. -> (client, job id)"""
+    from ray.job_submission import JobSubmissionClient
+
+    entry = ["python", "-m", "tandem.services.cli", "run", job, "--address", "auto"]
+    for item in overrides:
+        entry += ["--set", item]
+    client = JobSubmissionClient(address)
+    job_id = client.submit_job(entrypoint=shlex.join(entry),
+                               runtime_env={"working_dir": working_dir} if working_dir else None,
+                               metadata={"tandem_job": job})
+    return client, job_id
 
 
 def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:

@@ -1,0 +1,93 @@
+"""`tandem submit`: a job through a real Ray cluster's Jobs API (a head with its dashboard started
+here), run to the end, its metrics written."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import yaml
+from conftest import ROOT
+
+pytestmark = pytest.mark.integration
+
+HEAD = """
+import sys, time, ray
+ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
+         dashboard_port=int(sys.argv[1]), _temp_dir=sys.argv[2], log_to_driver=False, configure_logging=False)
+print("up", flush=True)
+time.sleep(900)
+"""
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ray_head(tmp_path, monkeypatch):
+    """A Ray cluster with its dashboard (Jobs API) in a child process; token auth off (test only)."""
+    from ray.job_submission import JobSubmissionClient
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    port = free_port()
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    temp = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths must stay under 108 bytes
+    head = subprocess.Popen([sys.executable, "-c", HEAD, str(port), temp], env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            assert head.poll() is None, "the Ray head exited"
+            try:
+                JobSubmissionClient(url)
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(1)
+        yield url
+    finally:
+        head.terminate()
+        head.wait(60)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_submit_runs_the_job_on_the_cluster(ray_head, tmp_path, tiny_model, capsys):
+    from tandem.services.cli import main
+
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    (wd / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{a} + {a}"}) + "\n" for a in range(8)))
+    out = tmp_path / "run"
+    job = {"model": {"path": tiny_model, "dtype": "float32", "lora": {"r": 8, "lora_alpha": 16}},
+           "data": {"path": "data.jsonl"},  # relative: the uploaded working directory is the job's
+           "rewards": [f"{ROOT}/examples/rewards.py:digits_reward"],
+           "generation": {"max_prompt_length": 64, "max_completion_length": 8},
+           "batch": {"num_generations": 4, "per_device_train_batch_size": 8, "max_steps": 2},
+           "logging": {"output_dir": str(out), "progress": False}}
+    (wd / "job.yaml").write_text(yaml.safe_dump(job))
+    os.chdir(wd)  # the job file and its data as a user would have them (pytest restores nothing: go back)
+    try:
+        rc = main(["submit", "job.yaml", "--address", ray_head, "--wait", "--set", "optimizer.learning_rate=0.01",
+                   "--set", "optimizer.lr_scheduler_type=constant"])
+    finally:
+        os.chdir(ROOT)
+    printed = capsys.readouterr().out
+    assert rc == 0, printed[-3000:]
+    assert "submitted raysubmit_" in printed and "SUCCEEDED" in printed and "reward: first" in printed
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["lr"] == 0.01 for r in rows)
+
+
+def test_submit_refuses_a_bad_job_file_before_the_cluster(tmp_path, capsys):
+    from tandem.services.cli import main
+
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({"model": {"path": str(tmp_path)}, "data": {"path": "x"},
+                                                       "rewards": ["r.py:f"], "batch": {"num_generations": 1}}))
+    assert main(["submit", str(tmp_path / "job.yaml"), "--address", "http://127.0.0.1:9"]) == 2
+    assert "num_generations" in capsys.readouterr().err
