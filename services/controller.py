@@ -57,6 +57,16 @@ class Cursor:
         self.requeued = deque(tuple(x) for x in st["requeued"])
 
 
+# metrics of the last optimizer step of each cycle exported as Ray metrics (the dashboard's Metrics
+# page; Prometheus scrapes them as ray_<series_name>; deploy/grafana/tandem.json plots them)
+EXPORTED = ("reward", "reward_std", "kl", "clip_ratio/region_mean", "completion_length", "loss", "entropy",
+            "publish_latency_s", "queue_depth", "rollout_tokens_per_s", "version")
+
+
+def series_name(key: str) -> str:
+    return "tandem_" + key.replace("/", "_")
+
+
 def one_at_a_time(method):
     """The Controller actor runs two threads (so `scale` and `status` are answered during a cycle):
     the methods that drive the job never run concurrently."""
@@ -321,10 +331,9 @@ class Controller:
 
             if self._gauges is None:
                 self._gauges = {}
-            for key in ("reward", "reward_std", "kl", "clip_ratio/region_mean", "completion_length", "loss",
-                        "entropy", "publish_latency_s", "queue_depth", "rollout_tokens_per_s", "version"):
+            for key in EXPORTED:
                 if key in steps[-1]:
-                    name = "tandem_" + key.replace("/", "_")
+                    name = series_name(key)
                     if name not in self._gauges:
                         self._gauges[name] = Gauge(name, description=f"Tandem {key} per optimizer step")
                     self._gauges[name].set(float(steps[-1][key]))
