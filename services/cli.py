@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import warnings
 
 import yaml
@@ -74,6 +75,11 @@ def cmd_submit(args) -> int:
             print(lines, end="", flush=True)
     asyncio.run(follow())
     status = client.get_job_status(job_id)
+    for _ in range(30):  # the log closes as the job ends; its status may follow a moment later
+        if status.is_terminal():
+            break
+        time.sleep(1)
+        status = client.get_job_status(job_id)
     print(f"job {job_id}: {status}")
     return 0 if str(status) == "SUCCEEDED" else 1
 

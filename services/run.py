@@ -78,10 +78,16 @@ def submit_job(job: str, overrides: list[str], address: str | None, working_dir:
     for item in overrides:
         entry += ["--set", item]
     client = JobSubmissionClient(address)
-    job_id = client.submit_job(entrypoint=shlex.join(entry),
-                               runtime_env={"working_dir": working_dir} if working_dir else None,
-                               metadata={"tandem_job": job})
-    return client, job_id
+    for attempt in range(60):
+        try:
+            job_id = client.submit_job(entrypoint=shlex.join(entry),
+                                       runtime_env={"working_dir": working_dir} if working_dir else None,
+                                       metadata={"tandem_job": job})
+            return client, job_id
+        except RuntimeError as e:  # a head just started answers before its job agent is up
+            if "No available agent" not in str(e) or attempt == 59:
+                raise
+            time.sleep(1)
 
 
 def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:
