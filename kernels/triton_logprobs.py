@@ -466,21 +466,26 @@ def _keep_grads(ctx, gh, gw, weight):
 
 def _scaled_grads(ctx, g_loss):
     """The gradients formed in forward times the upstream scalar, which is never read on the host:
-    that would wait for the GPU, which then idles while Python prepares the next step.
-    grad_hidden in place; the float32 grad-weight buffer scaled and cast in one pass (_scale_cast:
-    torch.mul with a 0-dim factor and a dtype change took 3x the memory time on an H200)."""
+    that would wait for the GPU, which then idles while Python prepares the next step. One Triton
+    pass each (_scale_cast, float32 inside: one rounding, not two; torch.mul with a 0-dim factor and
+    a dtype change took 3x its memory time on an H200): grad_hidden in place, the grad-weight buffer
+    into the weight's dtype."""
     (gh, gw), ctx.grads = ctx.grads, None
+    g = g_loss.float()
     if gh is not None:
-        gh.mul_(g_loss.to(gh.dtype))
-    if gw is not None and gw.dtype == ctx.weight_dtype:
-        gw.mul_(g_loss.to(gw.dtype))
-    elif gw is not None:
-        out = torch.empty(gw.shape, dtype=ctx.weight_dtype, device=gw.device)
-        if gw.numel():
-            _scale_cast[(triton.cdiv(gw.numel(), SCALE_BLOCK),)](gw, g_loss.float(), out, gw.numel(),
-                                                                 BLOCK=SCALE_BLOCK, num_warps=8)
-        gw = out
+        _scale_into(gh, g, gh)
+    if gw is not None:
+        gw = _scale_into(gw, g, gw if gw.dtype == ctx.weight_dtype else
+                         torch.empty(gw.shape, dtype=ctx.weight_dtype, device=gw.device))
     return gh, gw
+
+
+def _scale_into(src, g, dst):
+    """dst = src * g (g a float32 0-dim tensor on the device), rounded once to dst's dtype; dst may be src."""
+    if src.numel():
+        _scale_cast[(triton.cdiv(src.numel(), SCALE_BLOCK),)](src, g, dst, src.numel(), BLOCK=SCALE_BLOCK,
+                                                              num_warps=8)
+    return dst
 
 
 SCALE_BLOCK = 8192
@@ -488,7 +493,7 @@ SCALE_BLOCK = 8192
 
 @triton.jit
 def _scale_cast(src_ptr, g_ptr, dst_ptr, n, BLOCK: tl.constexpr):
-    """dst = src * g (a 0-dim tensor, read on the device), in dst's dtype."""
+    """dst = src * g (a 0-dim tensor, read on the device), in dst's dtype (dst may alias src)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     x = tl.load(src_ptr + offs, mask=ok) * tl.load(g_ptr).to(tl.float32)

@@ -190,7 +190,9 @@ def test_grpo_loss_backward_scales_with_upstream(seed, fp32_acc):
         grads.append((h.grad, w.grad))
     (gh1, gw1), (gh, gw) = grads
     assert gh.dtype == gw.dtype == torch.bfloat16
-    assert rel(gh, 0.37 * gh1.double()) <= 4e-3 and rel(gw, 0.37 * gw1.double()) <= 4e-3, f"seed {seed}"
+    # two independent bf16 roundings (2^-8 each where Triton's interpreter truncates); a scale not
+    # applied is off by 170%
+    assert rel(gh, 0.37 * gh1.double()) <= 1e-2 and rel(gw, 0.37 * gw1.double()) <= 1e-2, f"seed {seed}"
 
 
 @pytest.mark.parametrize("acc_dtype", [torch.float32, torch.bfloat16])
