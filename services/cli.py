@@ -62,7 +62,12 @@ def cmd_submit(args) -> int:
     from tandem.services.run import submit_job
 
     JobConfig.from_yaml(args.job, args.set)  # a bad job file is refused here, not in the cluster's log
-    client, job_id = submit_job(args.job, args.set, args.address, args.working_dir)
+    try:
+        client, job_id = submit_job(args.job, args.set, args.address, args.working_dir)
+    except TimeoutError as e:
+        print(f"tandem submit: the Jobs API at {args.address or 'this machine'} did not take the job: {e}",
+              file=sys.stderr)
+        return 1
     where = f" --address {args.address}" if args.address else ""
     print(f"submitted {job_id}: follow with `ray job logs -f {job_id}{where}`, stop with "
           f"`ray job stop {job_id}{where}`; `tandem status {args.job}` on a machine of the cluster")

@@ -68,26 +68,57 @@ def connect_controller(output_dir: str, address: str | None):
                              f"{address or 'this machine'}") from None
 
 
-def submit_job(job: str, overrides: list[str], address: str | None, working_dir: str | None) -> tuple:
+def submit_job(job: str, overrides: list[str], address: str | None, working_dir: str | None,
+               patience_s: float = 180.0) -> tuple:
     """`tandem run` of this job file as a Ray job (Jobs API of the cluster's dashboard at `address`;
     None: RAY_ADDRESS or this machine). working_dir is uploaded and becomes the job's working
-    directory, so the job file and its relative paths must lie inside it. -> (client, job id)"""
+    directory, so the job file and its relative paths must lie inside it. A head that has just
+    started may refuse (no job agent yet) or not answer a submission: it is retried under one
+    submission id (so never started twice) for up to patience_s. -> (client, job id)"""
+    import uuid
+
     from ray.job_submission import JobSubmissionClient
 
     entry = ["python", "-m", "tandem.services.cli", "run", job, "--address", "auto"]
     for item in overrides:
         entry += ["--set", item]
     client = JobSubmissionClient(address)
-    for attempt in range(60):
+    job_id = f"tandem-{uuid.uuid4().hex[:12]}"
+    give_up = time.time() + patience_s
+    while True:
         try:
-            job_id = client.submit_job(entrypoint=shlex.join(entry),
-                                       runtime_env={"working_dir": working_dir} if working_dir else None,
-                                       metadata={"tandem_job": job})
+            answered_within(lambda: client.submit_job(
+                entrypoint=shlex.join(entry), submission_id=job_id, metadata={"tandem_job": job},
+                runtime_env={"working_dir": working_dir} if working_dir else None), 30.0)
             return client, job_id
-        except RuntimeError as e:  # a head just started answers before its job agent is up
-            if "No available agent" not in str(e) or attempt == 59:
+        except (RuntimeError, TimeoutError) as e:
+            if "already exists" in str(e):  # an earlier attempt got through after all
+                return client, job_id
+            if not ("No available agent" in str(e) or isinstance(e, TimeoutError)) or time.time() > give_up:
                 raise
             time.sleep(1)
+
+
+def answered_within(fn, seconds: float):
+    """fn() from a daemon thread, or TimeoutError (a blocked HTTP call cannot be interrupted, but it
+    must not hold the command, nor the interpreter's exit, forever)."""
+    import threading
+
+    box = {}
+
+    def call():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        raise TimeoutError(f"no answer within {seconds:.0f} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:

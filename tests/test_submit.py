@@ -59,6 +59,7 @@ def ray_head(tmp_path, monkeypatch):
 
 def test_submit_runs_the_job_on_the_cluster(ray_head, tmp_path, tiny_model, capsys):
     from tandem.services.cli import main
+    from tandem.services.run import answered_within
 
     wd = tmp_path / "wd"
     wd.mkdir()
@@ -73,13 +74,14 @@ def test_submit_runs_the_job_on_the_cluster(ray_head, tmp_path, tiny_model, caps
     (wd / "job.yaml").write_text(yaml.safe_dump(job))
     os.chdir(wd)  # the job file and its data as a user would have them (pytest restores nothing: go back)
     try:
-        rc = main(["submit", "job.yaml", "--address", ray_head, "--wait", "--set", "optimizer.learning_rate=0.01",
-                   "--set", "optimizer.lr_scheduler_type=constant"])
+        rc = answered_within(lambda: main(["submit", "job.yaml", "--address", ray_head, "--wait", "--set",
+                                           "optimizer.learning_rate=0.01", "--set",
+                                           "optimizer.lr_scheduler_type=constant"]), 600)  # fail, never hang
     finally:
         os.chdir(ROOT)
     printed = capsys.readouterr().out
     assert rc == 0, printed[-3000:]
-    assert "submitted raysubmit_" in printed and "SUCCEEDED" in printed and "reward: first" in printed
+    assert "submitted tandem-" in printed and "SUCCEEDED" in printed and "reward: first" in printed
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["lr"] == 0.01 for r in rows)
 
