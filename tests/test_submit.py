@@ -16,15 +16,6 @@ from conftest import ROOT
 
 pytestmark = pytest.mark.integration
 
-HEAD = """
-import sys, time, ray
-ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
-         dashboard_port=int(sys.argv[1]), _temp_dir=sys.argv[2], log_to_driver=False, configure_logging=False)
-print("up", flush=True)
-time.sleep(900)
-"""
-
-
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -32,16 +23,23 @@ def free_port():
 
 
 @pytest.fixture
-def ray_head(tmp_path, monkeypatch):
-    """A Ray cluster with its dashboard (Jobs API) in a child process; token auth off (test only)."""
+def ray_head(monkeypatch):
+    """A second Ray cluster, started as users start one (`ray start --head`), with its dashboard (the
+    Jobs API). Every port its own: the suite's Ray already holds the defaults (a job head talking to
+    the other cluster's agent on 52365 never answered). Token auth off (test only)."""
     from ray.job_submission import JobSubmissionClient
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    port = free_port()
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     temp = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths must stay under 108 bytes
-    head = subprocess.Popen([sys.executable, "-c", HEAD, str(port), temp], env=env)
-    url = f"http://127.0.0.1:{port}"
+    ports = {name: free_port() for name in ("port", "dashboard-port", "dashboard-agent-listen-port",
+                                            "dashboard-agent-grpc-port", "runtime-env-agent-port",
+                                            "ray-client-server-port", "metrics-export-port")}
+    bindir = os.path.dirname(sys.executable)
+    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ["PATH"])
+    head = subprocess.Popen([os.path.join(bindir, "ray"), "start", "--head", "--block", "--num-cpus=4",
+                             "--dashboard-host=127.0.0.1", f"--temp-dir={temp}"]
+                            + [f"--{name}={port}" for name, port in ports.items()], env=env)
+    url = f"http://127.0.0.1:{ports['dashboard-port']}"
     try:
         for _ in range(120):
             assert head.poll() is None, "the Ray head exited"
@@ -52,8 +50,8 @@ def ray_head(tmp_path, monkeypatch):
                 time.sleep(1)
         yield url
     finally:
-        head.terminate()
-        head.wait(60)
+        head.terminate()  # ray start --block drains, then stops what it started
+        head.wait(90)
         shutil.rmtree(temp, ignore_errors=True)
 
 
