@@ -22,8 +22,9 @@ from tandem.services.config import (
 from tandem.services.plan import BatchPlan, arithmetic, table
 
 
-def load_plan(path: str, overrides: list[str]) -> BatchPlan:
-    """Only the batch-shaping sections are read, so a plan needs no model or data on disk."""
+def read_job_file(path: str, overrides: list[str]) -> dict:
+    """The job file as a dict with --set overrides applied, unvalidated (for commands that read only
+    a part of it)."""
     try:
         with open(path) as f:
             data = yaml.safe_load(f) or {}
@@ -31,6 +32,12 @@ def load_plan(path: str, overrides: list[str]) -> BatchPlan:
         raise JobConfigError(f"job file {path!r}: {e.strerror}") from None
     for item in overrides:
         apply_override(data, item)
+    return data
+
+
+def load_plan(path: str, overrides: list[str]) -> BatchPlan:
+    """Only the batch-shaping sections are read, so a plan needs no model or data on disk."""
+    data = read_job_file(path, overrides)
     try:
         batch = BatchConfig.model_validate(data.get("batch", {}))
         grpo = GRPOConfig.model_validate({"num_iterations": data.get("grpo", {}).get("num_iterations", 1)})
@@ -93,14 +100,8 @@ def output_dir_of(path: str, overrides: list[str]) -> str:
     """A job file's run directory (all `scale` and `status` need: the running job is found by it)."""
     from tandem.services.config import LoggingConfig
 
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise JobConfigError(f"job file {path!r}: {e.strerror}") from None
-    for item in overrides:
-        apply_override(data, item)
-    return (data.get("logging") or {}).get("output_dir") or LoggingConfig().output_dir
+    logging = read_job_file(path, overrides).get("logging") or {}
+    return logging.get("output_dir") or LoggingConfig().output_dir
 
 
 def worker_count(text: str) -> int:
