@@ -161,13 +161,17 @@ class Controller:
                 "in_flight": sum(self.outstanding.values()), "buffered": len(self.ready),
                 "counters": dict(self.counters)}
 
-    def _apply_scale(self) -> None:
+    def _new_worker(self, slot: int):
+        """A rollout worker for `slot`, the current adapter queued as its first call (an actor runs
+        its calls in order: before any generate). -> (actor, ref of that call or None)"""
         from tandem.rollout.worker import rollout_actor_class
 
+        w = rollout_actor_class(self.cfg).remote(self.cfg, slot)
+        return w, (w.set_adapter.remote(self.version, self.adapter_ref) if self.adapter_ref is not None else None)
+
+    def _apply_scale(self) -> None:
         while len(self.workers) < self.target_workers:
-            w = rollout_actor_class(self.cfg).remote(self.cfg, len(self.workers))
-            if self.adapter_ref is not None:  # an actor runs its calls in order: before any generate
-                w.set_adapter.remote(self.version, self.adapter_ref)
+            w, _ = self._new_worker(len(self.workers))
             self.starting[len(self.workers)] = w.health.remote()
             self.workers.append(w)
             self.counters["workers_added"] += 1
@@ -263,15 +267,13 @@ class Controller:
         self.ready = keep
 
     def _replace_worker(self, slot: int, err) -> None:
-        from tandem.rollout.worker import rollout_actor_class
-
         try:
             self.ray.kill(self.workers[slot])
         except Exception:  # noqa: BLE001 - already gone
             pass
-        self.workers[slot] = rollout_actor_class(self.cfg).remote(self.cfg, slot)
-        if self.adapter_ref is not None:
-            self.ray.get(self.workers[slot].set_adapter.remote(self.version, self.adapter_ref))
+        self.workers[slot], adapter = self._new_worker(slot)
+        if adapter is not None:
+            self.ray.get(adapter)
 
     # --------------------------------------------------------------------------------- cycle
 
