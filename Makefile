@@ -23,10 +23,10 @@ test: install
 	$(BIN)/python -m pytest -q -x tests
 
 unit: install
-	$(BIN)/python -m pytest -q -m "not integration" tests
+	$(BIN)/python -m pytest -q tests/unit
 
 lint: install
-	$(BIN)/ruff check --output-format concise services learner rollout kernels tests bench examples
+	$(BIN)/ruff check --output-format concise tandem services learner rollout kernels tests bench examples
 
 clean:
 	rm -rf $(VENV) build *.egg-info

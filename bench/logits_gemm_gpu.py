@@ -9,6 +9,7 @@ shape, correctness only)
 """
 import torch
 import triton
+
 from tandem.kernels.triton_logprobs import BLOCK_V, _front_view, _logits_with_tiles, _row_grpo, _tiles_grpo
 
 TEMP = 0.7

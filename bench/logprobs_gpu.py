@@ -9,10 +9,10 @@ Candidates, side by side in one process (bf16, temperature 0.7, dapo loss, epsil
   ours      tandem.kernels linear_logprobs (Triton) + the loss through autograd (4 matmuls)
   fused     tandem.kernels linear_logprobs_loss: gradients formed in forward (3 matmuls), any per-token
             loss given as a PyTorch function (autograd per chunk)
-  grpo      tandem.kernels linear_grpo_loss: the same with the GRPO derivative inside the row kernel,
+  linear_grpo_loss      tandem.kernels linear_grpo_loss: the same with the GRPO derivative inside the row kernel,
             the logits matmul keeping log-sum-exp statistics and float16 exp(logit - tile max)
             (_logits_tiles, 2 bytes a logit, read once), chunk sized by memory;
-            grpo_bf16acc: the same, a trainable lm_head's gradient accumulated in bf16 (as Liger does);
+            linear_grpo_loss_bf16acc: the same, a trainable lm_head's gradient accumulated in bf16 (as Liger does);
             grpo_cublas(_bf16acc): float32 logits from cuBLAS, read twice (lse_epilogue=False)
 and the floor: cuBLAS bf16 time of the matmuls the computation needs (logits, grad_hidden, and
 grad_weight when the lm_head trains), measured before and after the candidates (the H200's clock
@@ -31,9 +31,11 @@ import time
 
 import torch
 import triton
-from tandem.kernels.triton_logprobs import linear_grpo_loss_triton, linear_logprobs_loss_triton, linear_logprobs_triton
-from tandem.learner.loss import aggregate_loss, grpo_token_loss, per_token_loss, token_weights
 from torch.utils.checkpoint import checkpoint
+
+from tandem.kernels.logprobs import grpo_token_terms, selective_logprobs_reference
+from tandem.kernels.triton_logprobs import linear_grpo_loss_triton, linear_logprobs_loss_triton, linear_logprobs_triton
+from tandem.learner.loss import aggregate_loss, per_token_loss, token_weights
 
 TEMP, T, EPS = 0.7, 1024, 0.2
 SHAPES = {"1.5B": (1536, 151936), "7B": (3584, 152064)}
@@ -78,13 +80,13 @@ def ours(h, w, ids, old, adv, mask):
 
 
 def fused(h, w, ids, old, adv, mask, chunk=1024):
-    tl = grpo_token_loss(old.reshape(-1), adv.repeat_interleave(T), token_weights(mask, "dapo").reshape(-1),
+    tl = grpo_token_terms(old.reshape(-1), adv.repeat_interleave(T), token_weights(mask, "dapo").reshape(-1),
                          epsilon=EPS)
     loss, logp, _ = linear_logprobs_loss_triton(h, w, ids, tl, TEMP, chunk)
     return loss, logp
 
 
-def grpo(h, w, ids, old, adv, mask, gw_fp32=True, chunk=None, epilogue=True):
+def linear_grpo_loss_candidate(h, w, ids, old, adv, mask, gw_fp32=True, chunk=None, epilogue=True):
     wt = token_weights(mask, "dapo").reshape(-1)
     loss, logp, _ = linear_grpo_loss_triton(h, w, ids, old.reshape(-1), adv.repeat_interleave(T), wt,
                                             temperature=TEMP, epsilon=EPS, grad_weight_fp32=gw_fp32, chunk=chunk,
@@ -116,8 +118,7 @@ def liger_candidate():
 
 
 def float64_logp(h, w, ids, rows=1024):
-    z = (h[:rows].double() @ w.double().t()) / TEMP
-    return torch.log_softmax(z, -1).gather(-1, ids[:rows, None]).squeeze(-1)
+    return selective_logprobs_reference(h[:rows].double() @ w.double().t(), ids[:rows], TEMP)[0]
 
 
 def measure(fn, h, w, inputs, ref_lp, ref_loss):
@@ -154,7 +155,7 @@ def floor(N, H, V, trainable):
 
 
 def profile(N=16384, model="1.5B", trainable=False):
-    """Where the grpo path's time goes: the top CUDA kernels of a few steps."""
+    """Where the linear_grpo_loss path's time goes: the top CUDA kernels of a few steps."""
     H, V = SHAPES[model]
     h = torch.randn(N, H, device="cuda").bfloat16().requires_grad_()
     w = (torch.randn(V, H, device="cuda") * 0.02).bfloat16().requires_grad_(trainable)
@@ -162,22 +163,22 @@ def profile(N=16384, model="1.5B", trainable=False):
     old = torch.randn(N // T, T, device="cuda") - 12
     adv, mask = torch.randn(N // T, device="cuda"), torch.ones(N // T, T, device="cuda", dtype=torch.bool)
     for _ in range(2):
-        grpo(h, w, ids, old, adv, mask)[0].backward()
+        linear_grpo_loss_candidate(h, w, ids, old, adv, mask)[0].backward()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
                                             torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(3):
-            grpo(h, w, ids, old, adv, mask)[0].backward()
+            linear_grpo_loss_candidate(h, w, ids, old, adv, mask)[0].backward()
         torch.cuda.synchronize()
     t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0.record()
     for _ in range(3):
-        grpo(h, w, ids, old, adv, mask)[0].backward()
+        linear_grpo_loss_candidate(h, w, ids, old, adv, mask)[0].backward()
     t1.record()
     torch.cuda.synchronize()
     print(f"3 iterations unprofiled: wall {t0.elapsed_time(t1):.1f} ms")
-    print(f"profile grpo N={N} {model} trainable={trainable}: peak extra "
+    print(f"profile linear_grpo_loss N={N} {model} trainable={trainable}: peak extra "
           f"{(torch.cuda.max_memory_allocated() - base) / 2**30:.2f} GB")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
     # cuBLAS efficiency of each of the three products by rows per chunk (TFLOP/s)
@@ -200,7 +201,7 @@ def main():
     ap.add_argument("--tokens", default="4096,16384,32768")
     ap.add_argument("--models", default="1.5B,7B")
     ap.add_argument("--candidates",
-                    default="naive,trl,chunked,compiled,liger,ours,fused,grpo_cublas,grpo_cublas_bf16acc,grpo,grpo_bf16acc")
+                    default="naive,trl,chunked,compiled,liger,ours,fused,linear_grpo_loss_cublas,linear_grpo_loss_cublas_bf16acc,linear_grpo_loss,linear_grpo_loss_bf16acc")
     ap.add_argument("--out", default=".")
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
@@ -210,13 +211,13 @@ def main():
         return
     torch._dynamo.config.cache_size_limit = 64
     cands = {"naive": naive, "trl": trl, "chunked": _chunked_with(_chunk), "compiled": _chunked_with(_compiled_chunk),
-             "liger": liger_candidate(), "ours": ours, "fused": fused, "grpo": grpo,
-             "grpo_bf16acc": lambda *x: grpo(*x, gw_fp32=False), "grpo_cublas": lambda *x: grpo(*x, epilogue=False),
-             "grpo_cublas_bf16acc": lambda *x: grpo(*x, gw_fp32=False, epilogue=False)}
-    for c in a.candidates.split(","):  # grpo@2048: grpo with a fixed chunk of rows
+             "liger": liger_candidate(), "ours": ours, "fused": fused, "linear_grpo_loss": linear_grpo_loss_candidate,
+             "linear_grpo_loss_bf16acc": lambda *x: linear_grpo_loss_candidate(*x, gw_fp32=False), "linear_grpo_loss_cublas": lambda *x: linear_grpo_loss_candidate(*x, epilogue=False),
+             "linear_grpo_loss_cublas_bf16acc": lambda *x: linear_grpo_loss_candidate(*x, gw_fp32=False, epilogue=False)}
+    for c in a.candidates.split(","):  # linear_grpo_loss@2048: linear_grpo_loss with a fixed chunk of rows
         base, _, rows_ = c.partition("@")
-        if rows_ and base in ("grpo", "grpo_bf16acc"):
-            cands[c] = lambda *x, r=int(rows_), fp32=base == "grpo": grpo(*x, gw_fp32=fp32, chunk=r)
+        if rows_ and base in ("linear_grpo_loss", "linear_grpo_loss_bf16acc"):
+            cands[c] = lambda *x, r=int(rows_), fp32=base == "linear_grpo_loss": linear_grpo_loss_candidate(*x, gw_fp32=fp32, chunk=r)
     names = [c for c in a.candidates.split(",") if cands.get(c) is not None]
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
     rows = []
@@ -257,7 +258,7 @@ def main():
                           f"err {err:.1e} loss_err {lerr:.1e}", flush=True)
                 # every candidate's gradients against naive's (float32 softmax of bf16 logits), or else
                 # against grpo_cublas's (float32 logits)
-                base = grads.get("naive") or grads.get("grpo_cublas")
+                base = grads.get("naive") or grads.get("linear_grpo_loss_cublas")
                 if base and base[0] is not None:
                     for name, (gh, gw) in grads.items():
                         if gh is None:
@@ -290,7 +291,7 @@ def table(rows, names):
             cells.append(f"{c['ms']:.1f} ({c['ms'] / r['floor_ms']:.2f}×) / {c['gb']:.2f}")
         fl = f"{r['floor_ms']:.1f}" + (f" ({r['floor_before_ms']:.1f}/{r['floor_after_ms']:.1f})" if "floor_after_ms" in r else "")
         out.append(f"| {r['model']} | {r['tokens']} | {r['lm_head']} | {fl} | " + " | ".join(cells) + " |")
-    ref = "naive" if "naive" in names else "grpo_cublas"
+    ref = "naive" if "naive" in names else "linear_grpo_loss_cublas"
     out += ["", f"max |logp - float64| (first 1024 rows) and gradient (gh: grad_hidden) rel. to {ref}:", ""]
     for r in rows:
         out.append(f"{r['model']} {r['tokens']} {r['lm_head']}: " + ", ".join(

@@ -8,6 +8,7 @@ import statistics
 import time
 
 import torch
+
 from tandem.learner.loss import aggregate_loss, loss_metrics, per_token_loss
 
 B, T = 64, 1024

@@ -9,8 +9,13 @@
 sum of per-token terms (GRPO's are): each chunk's gradients are formed in forward, so logits are
 computed once instead of twice.
 
-Plain PyTorch here: the references, and the path on CPU. Triton kernels (`triton_logprobs.py`)
-dispatch on CUDA.
+`linear_grpo_loss(hidden, weight, ids, old_logp, advantages, token_weight, ...)`: the GRPO loss
+(spec §4) as that fused form: the learner's training op.
+
+One name per op (Liger-Kernel's rule): `<op>` dispatches (Triton on CUDA, else the reference),
+`<op>_reference` is plain PyTorch here, `<op>_triton` is the kernel in `triton_logprobs.py`; the
+tests and benchmarks import the reference rather than rewriting it. A reference computes in the
+precision of its inputs (float64 in, float64 out), which makes it the float64 oracle too.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 def selective_logprobs_reference(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
                                  with_entropy: bool = False):
     """logits [N, V] (any float dtype), ids [N] -> (logp [N] float32, entropy [N] float32 or None)."""
-    z = logits.float() / temperature
+    z = (logits if logits.dtype == torch.float64 else logits.float()) / temperature
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1) - lse
     ent = None
@@ -60,6 +65,57 @@ def linear_logprobs_loss_reference(hidden, weight, ids, token_loss, temperature:
     return token_loss(logp, 0, hidden.shape[0]).sum(), logp.detach(), ent
 
 
+def _grpo_defaults():
+    from tandem.core.config import GRPOConfig
+
+    return GRPOConfig()
+
+
+GRPO_DEFAULTS = _grpo_defaults()  # the defaults live in the job schema, nowhere else
+
+
+def grpo_token_terms(old_logp, advantages, token_weight, *, epsilon=GRPO_DEFAULTS.epsilon, epsilon_high=GRPO_DEFAULTS.epsilon_high,
+                     delta=GRPO_DEFAULTS.delta, beta=GRPO_DEFAULTS.beta, ref_logp=None, tis=None):
+    """linear_grpo_loss's per-token terms, for linear_logprobs_loss: token_loss(logp[s:e], s, e) ->
+    token_weight * (-min(r·A, clip(r)·A) · tis + beta · k3) on tokens s..e, r = exp(logp - old), the
+    unclipped ratio capped at delta. Flat [N] inputs (tensors or scalars); old_logp None = on-policy
+    (old = logp detached); tis: the truncated-IS weight or None; ref_logp when beta > 0. Written out
+    here, independently of learner.loss.per_token_loss ([B, T] form), which the tests compare it with."""
+    hi = epsilon if epsilon_high is None else epsilon_high
+
+    def col(x, s, e, like):
+        return torch.as_tensor(x, dtype=like.dtype, device=like.device).expand(e - s) if not torch.is_tensor(x) \
+            or x.dim() == 0 else x[s:e].to(like.dtype)
+
+    def token_loss(logp, s, e):
+        w = col(token_weight, s, e, logp)
+        m = w != 0
+        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        old = logp.detach() if old_logp is None else col(old_logp, s, e, logp)
+        a = col(advantages, s, e, logp)
+        d = torch.where(m, logp - old, zero).clamp(-20.0, 20.0)  # spec §4.4 clamp
+        r = torch.exp(d)
+        unclipped = r if delta is None else r.clamp(max=delta)
+        loss = -torch.minimum(unclipped * a, r.clamp(1 - epsilon, 1 + hi) * a)
+        if tis is not None:
+            loss = loss * col(tis, s, e, logp)
+        if beta > 0:
+            k = torch.where(m, col(ref_logp, s, e, logp) - logp, zero).clamp(-20.0, 20.0)
+            loss = loss + beta * (torch.exp(k) - k - 1)
+        return torch.where(m, loss * w, zero)
+
+    return token_loss
+
+
+def linear_grpo_loss_reference(hidden, weight, ids, old_logp, advantages, token_weight, *, temperature=1.0,
+                               chunk=1024, with_entropy=False, **grpo):
+    """-> (loss, logp [N] detached, entropy or None); `grpo`: grpo_token_terms' keywords."""
+    if grpo.get("beta", 0) > 0 and grpo.get("ref_logp") is None:
+        raise ValueError("tandem.kernels.linear_grpo_loss: beta > 0 needs ref_logp")
+    terms = grpo_token_terms(old_logp, advantages, token_weight, **grpo)
+    return linear_logprobs_loss_reference(hidden, weight, ids, terms, temperature, chunk or 1024, with_entropy)
+
+
 def _triton_ready() -> bool:
     import importlib.util
 
@@ -94,3 +150,14 @@ def linear_logprobs_loss(hidden, weight, ids, token_loss, temperature=1.0, chunk
 
         return linear_logprobs_loss_triton(hidden, weight, ids, token_loss, temperature, chunk, with_entropy)
     return linear_logprobs_loss_reference(hidden, weight, ids, token_loss, temperature, chunk, with_entropy)
+
+
+def linear_grpo_loss(hidden, weight, ids, old_logp, advantages, token_weight, *, temperature=1.0, chunk=None,
+                     with_entropy=False, **grpo):
+    if triton_available(hidden):
+        from tandem.kernels.triton_logprobs import linear_grpo_loss_triton
+
+        return linear_grpo_loss_triton(hidden, weight, ids, old_logp, advantages, token_weight,
+                                       temperature=temperature, chunk=chunk, with_entropy=with_entropy, **grpo)
+    return linear_grpo_loss_reference(hidden, weight, ids, old_logp, advantages, token_weight,
+                                      temperature=temperature, chunk=chunk, with_entropy=with_entropy, **grpo)

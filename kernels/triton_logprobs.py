@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.logprobs import GRPO_DEFAULTS
+
 BLOCK_V = 2048
 
 
@@ -616,7 +618,8 @@ class _LinearGRPO(torch.autograd.Function):
 
 
 def linear_grpo_loss_triton(hidden, weight, ids, old_logp, advantages, token_weight, *, temperature=1.0,
-                            epsilon=0.2, epsilon_high=None, delta=None, beta=0.0, ref_logp=None, tis=None,
+                            epsilon=GRPO_DEFAULTS.epsilon, epsilon_high=GRPO_DEFAULTS.epsilon_high, delta=GRPO_DEFAULTS.delta, beta=GRPO_DEFAULTS.beta,
+                            ref_logp=None, tis=None,
                             chunk=None, with_entropy=False, grad_weight_fp32=True, lse_epilogue=True):
     """The GRPO loss straight from hidden states, its gradients formed in forward, logits computed once.
 

@@ -19,12 +19,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from tandem.core.checks import check_learner_device, check_shared_dir
+from tandem.core.compat import before_deepspeed_init, set_distributed_env
+from tandem.core.plan import BatchPlan
 from tandem.learner.advantages import compute_advantages, total_rewards
 from tandem.learner.batch import Samples, collate, to_device
 from tandem.learner.logprobs import completion_grpo_loss, completion_logprobs
-from tandem.learner.loss import aggregate_loss, loss_metrics, per_token_loss, tis_weight, token_weights
+from tandem.learner.loss import LossInputs, grpo_loss, grpo_metrics, tis_weight, token_weights
 from tandem.learner.model import load_frozen_reference, load_policy, reference_context, trainable_state_dict
-from tandem.services.plan import BatchPlan
 
 
 def _check_token_ids(groups, vocab: int):
@@ -75,36 +78,47 @@ def ds_config(cfg, world: int) -> dict:
 
 
 class Learner:
-    def __init__(self, cfg, rank: int = 0, world: int = 1, master: str = "127.0.0.1", port: int = 29500,
-                 total_steps: int = 1000, optimizer=None):
-        """`optimizer`: optional callable(params) -> torch optimizer replacing AdamW (tests use SGD,
-        whose update shows any gradient scaling that Adam's normalisation would hide)."""
-        local = str(rank) if torch.cuda.is_available() else "0"
-        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": local,
-                           "MASTER_ADDR": master, "MASTER_PORT": str(port)})
-        os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-        import deepspeed
+    """Lifecycle (torchtune's): `Learner(...)` stores its arguments; `setup()` joins the process group and
+    builds the DeepSpeed engine; then `train` per cycle, `export_adapter`, `save_checkpoint` /
+    `load_checkpoint`; the actor is killed at the end (no cleanup beyond the process)."""
 
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skips a 40 s op build on CPU
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
-        torch.manual_seed(cfg.seed)
+    def __init__(self, cfg, rank: int = 0, world: int = 1, master: str = "127.0.0.1", port: int = 29500,
+                 total_steps: int = 1000, optimizer=None, probe: str | None = None):
+        """`optimizer`: optional callable(params) -> torch optimizer replacing AdamW (tests use SGD,
+        whose update shows any gradient scaling that Adam's normalisation would hide). `probe`: a file the
+        controller wrote under output_dir; setup() refuses to start if this rank cannot read it."""
         self.cfg, self.rank, self.world = cfg, rank, world
+        self._rendezvous = (master, port)
+        self._total_steps, self._client_optimizer, self._probe = total_steps, optimizer, probe
         self.plan = BatchPlan.from_config(cfg)
         self.tis = cfg.tis
+        self.version = 0
+        self.steps = 0
+
+    def setup(self) -> int:
+        cfg = self.cfg
+        check_learner_device(cfg)
+        check_shared_dir(cfg.logging.output_dir, self._probe, f"learner rank {self.rank}")
+        set_distributed_env(self.rank, self.world, *self._rendezvous)
+        before_deepspeed_init()
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+        torch.manual_seed(cfg.seed)
         model = load_policy(cfg)
         params = [p for p in model.parameters() if p.requires_grad]
         o = cfg.optimizer
-        warm = o.warmup_steps or math.ceil(o.warmup_ratio * total_steps)
-        dsc = ds_config(cfg, world)
+        warm = o.warmup_steps or math.ceil(o.warmup_ratio * self._total_steps)
+        dsc = ds_config(cfg, self.world)
         client_opt = None
-        if optimizer is not None:
+        if self._client_optimizer is not None:
             dsc.pop("optimizer")
             dsc["zero_allow_untested_optimizer"] = True
-            client_opt = optimizer(params)
+            client_opt = self._client_optimizer(params)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=params, config=dsc, optimizer=client_opt,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
-                opt, lr_lambda(o.lr_scheduler_type, warm, total_steps)),
+                opt, lr_lambda(o.lr_scheduler_type, warm, self._total_steps)),
         )
         self.device = self.engine.device  # batches are collated on the host and moved here
         self.ref = load_frozen_reference(cfg).to(self.device) if (cfg.grpo.beta > 0 and cfg.model.lora is None) else None
@@ -112,8 +126,7 @@ class Learner:
 
         tok = AutoTokenizer.from_pretrained(cfg.model.path)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        self.version = 0
-        self.steps = 0
+        return self.rank
 
     # ----------------------------------------------------------------------------- helpers
 
@@ -151,6 +164,10 @@ class Learner:
             return None
         norms = [torch.linalg.vector_norm(p.grad.float()) for p in self.model.parameters() if p.grad is not None]
         return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+    def _inputs(self, mb, logp, old, ref, ent) -> LossInputs:
+        return LossInputs(logp=logp, old_logp=old, advantages=mb["advantages"], mask=mb["mask"], ref_logp=ref,
+                          sampler_logp=mb["sampler_logp"] if self.tis else None, entropy=ent)
 
     def _fused_loss(self, mb, old, ref, n_active):
         """aggregate_loss(per_token_loss(...)) of the micro-batch, from hidden states in one pass."""
@@ -197,19 +214,12 @@ class Learner:
                 self._begin_micro_step()
                 if g.importance_sampling_level == "token":  # fused: loss and its gradient in one pass
                     loss, logp, ent = self._fused_loss(mb, old[k] if old is not None else None, ref_k, n_active)
-                    o = old[k] if old is not None else logp
+                    x = self._inputs(mb, logp, old[k] if old is not None else logp, ref_k, ent)
                 else:
                     logp, ent = self._logp(mb, with_entropy=True)
-                    o = old[k] if old is not None else logp.detach()
-                    per = per_token_loss(
-                        logp, o, mb["advantages"], mb["mask"], epsilon=g.epsilon, epsilon_high=g.epsilon_high,
-                        delta=g.delta, importance_sampling_level=g.importance_sampling_level, beta=g.beta,
-                        ref_logp=ref_k, sampler_logp=mb["sampler_logp"] if self.tis else None,
-                        tis_cap=g.vllm_importance_sampling_cap if self.tis else None,
-                        tis_mode=g.vllm_importance_sampling_mode)
-                    loss = aggregate_loss(per, mb["mask"], g.loss_type,
-                                          max_completion_length=cfg.generation.max_completion_length,
-                                          num_active_tokens=n_active)
+                    x = self._inputs(mb, logp, old[k] if old is not None else logp.detach(), ref_k, ent)
+                    loss = grpo_loss(x, g, tis=self.tis, max_completion_length=cfg.generation.max_completion_length,
+                                     num_active_tokens=n_active)
                 # Contribution of this micro-batch to the step's objective (spec §4.8), then undo
                 # DeepSpeed's 1/GA and 1/world averaging so the gradient is exactly that sum.
                 if g.loss_type != "dapo":
@@ -222,12 +232,7 @@ class Learner:
                     grad_norm = self._grad_norm_before_step()
                 self.engine.step()
                 loss_sum += float(loss.detach())
-                mm = loss_metrics(logp.detach(), o, mb["advantages"], mb["mask"], epsilon=g.epsilon,
-                                  epsilon_high=g.epsilon_high, importance_sampling_level=g.importance_sampling_level,
-                                  ref_logp=ref[k] if ref is not None else None,
-                                  sampler_logp=mb["sampler_logp"] if self.tis else None,
-                                  tis_cap=g.vllm_importance_sampling_cap if self.tis else None,
-                                  tis_mode=g.vllm_importance_sampling_mode, entropy=ent)
+                mm = grpo_metrics(x, g, tis=self.tis)
                 _accumulate(acc, mm)
             self.steps += 1
             step_metrics.append(self._reduce(acc, loss_sum) | {
@@ -330,9 +335,6 @@ class Learner:
             import torch.distributed as dist
 
             dist.barrier()
-
-    def ping(self) -> int:
-        return self.rank
 
 
 def _resolve(groups: list) -> list:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from tandem.services.protocol import RolloutGroup
+
+from tandem.core.protocol import RolloutGroup
 
 
 @dataclass

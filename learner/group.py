@@ -4,27 +4,30 @@ from __future__ import annotations
 
 import socket
 
+from tandem.core.compat import learner_env_vars
+
 
 def _free_port() -> int:
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind(("127.0.0.1", 0))  # probed on loopback: nothing is exposed while we look
         return s.getsockname()[1]
 
 
 class LearnerGroup:
-    def __init__(self, cfg, total_steps: int, optimizer=None):
+    def __init__(self, cfg, total_steps: int, optimizer=None, probe: str | None = None):
+        """Starts the actors and waits for every rank's setup (the process group forms there)."""
         import ray
+
         from tandem.learner.actor import Learner
 
         r = cfg.cluster.learner_resources
         n = cfg.cluster.num_processes
         cls = ray.remote(num_cpus=r.num_cpus, num_gpus=r.num_gpus, resources=r.resources or None,
-                         runtime_env={"env_vars": {"DS_ACCELERATOR": "cuda" if r.num_gpus else "cpu",
-                                                   "TOKENIZERS_PARALLELISM": "false"}})(Learner)
+                         runtime_env={"env_vars": learner_env_vars(r.num_gpus > 0)})(Learner)
         master = ray.util.get_node_ip_address()
         port = _free_port()
-        self.actors = [cls.remote(cfg, rank, n, master, port, total_steps, optimizer) for rank in range(n)]
-        ray.get([a.ping.remote() for a in self.actors])
+        self.actors = [cls.remote(cfg, rank, n, master, port, total_steps, optimizer, probe) for rank in range(n)]
+        ray.get([a.setup.remote() for a in self.actors])
 
     def _all(self, method: str, *args):
         import ray

@@ -9,8 +9,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from tandem.kernels.logprobs import linear_logprobs, linear_logprobs_loss, selective_logprobs, triton_available
-from tandem.learner.loss import grpo_token_loss
+
+from tandem.kernels.logprobs import GRPO_DEFAULTS as _G
+from tandem.kernels.logprobs import grpo_token_terms, linear_grpo_loss, linear_logprobs, selective_logprobs
 from tandem.learner.model import decoder_and_head
 
 
@@ -68,7 +69,7 @@ def completion_logprobs(model, batch, temperature: float, *, chunk: int = 1024, 
 
 
 def completion_grpo_loss(model, batch, temperature: float, token_weight, *, old_logp=None, ref_logp=None, tis=None,
-                         epsilon=0.2, epsilon_high=None, delta=None, beta=0.0, chunk=None):
+                         epsilon=_G.epsilon, epsilon_high=_G.epsilon_high, delta=_G.delta, beta=_G.beta, chunk=None):
     """The micro-batch's GRPO loss, sum_t token_weight * loss_t (token_weight [B, T] from
     loss.token_weights), token-level ratios. [B, T] inputs; old_logp None = on-policy.
     -> (loss, logp [B, T] detached, entropy [B, T]; both 0 where masked)."""
@@ -85,17 +86,12 @@ def completion_grpo_loss(model, batch, temperature: float, token_weight, *, old_
     kw = dict(epsilon=epsilon, epsilon_high=epsilon_high, delta=delta, beta=beta, ref_logp=pick(ref_logp),
               tis=pick(tis))
     with _full_weight(head) as w:
-        if w is not None and triton_available(h):
-            from tandem.kernels.triton_logprobs import linear_grpo_loss_triton
-
-            loss, logp, ent = linear_grpo_loss_triton(h, w, ids, pick(old_logp), adv, pick(token_weight),
-                                                      temperature=temperature, chunk=chunk, with_entropy=True, **kw)
-        else:
-            token_loss = grpo_token_loss(pick(old_logp), adv, pick(token_weight), **kw)
-            if w is not None:
-                loss, logp, ent = linear_logprobs_loss(h, w, ids, token_loss, temperature, chunk or 1024, True)
-            else:
-                logp, ent = _module_logprobs(head, h, ids, temperature, chunk or 1024, True)
-                loss, logp = token_loss(logp, 0, logp.shape[0]).sum(), logp.detach()
+        if w is not None:
+            loss, logp, ent = linear_grpo_loss(h, w, ids, pick(old_logp), adv, pick(token_weight),
+                                               temperature=temperature, chunk=chunk, with_entropy=True, **kw)
+        else:  # LoRA on the head, or a head with a bias: through the module, per chunk
+            logp, ent = _module_logprobs(head, h, ids, temperature, chunk or 1024, True)
+            loss = grpo_token_terms(pick(old_logp), adv, pick(token_weight), **kw)(logp, 0, logp.shape[0]).sum()
+            logp = logp.detach()
     full = lambda x: torch.zeros(B * T, dtype=torch.float32, device=x.device).index_copy(0, idx, x).view(B, T)
     return loss, full(logp), full(ent)

@@ -8,12 +8,17 @@ so neither the value nor the gradient can see them.
 from __future__ import annotations
 
 import math
+import typing
+from dataclasses import dataclass
 
 import torch
 
+from tandem.kernels.logprobs import GRPO_DEFAULTS as _G
+
 LOG_RATIO_CLAMP = 20.0  # spec §4.4: |log-ratio| <= 20, so exp never overflows
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# the allowed values are the job schema's (one definition); pure functions still refuse others
+LOSS_TYPES = typing.get_args(type(_G).model_fields["loss_type"].annotation)
+TIS_MODES = typing.get_args(type(_G).model_fields["vllm_importance_sampling_mode"].annotation)
 
 
 def _clean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -68,15 +73,15 @@ def per_token_loss(
     advantages,
     mask,
     *,
-    epsilon=0.2,
-    epsilon_high=None,
-    delta=None,
-    importance_sampling_level="token",
-    beta=0.0,
+    epsilon=_G.epsilon,
+    epsilon_high=_G.epsilon_high,
+    delta=_G.delta,
+    importance_sampling_level=_G.importance_sampling_level,
+    beta=_G.beta,
     ref_logp=None,
     sampler_logp=None,
     tis_cap=None,
-    tis_mode="token_truncate",
+    tis_mode=_G.vllm_importance_sampling_mode,
 ):
     """[B, T] clipped surrogate (+ TIS, + beta·KL); zero where mask is 0."""
     m = mask.bool()
@@ -130,13 +135,13 @@ def loss_metrics(
     advantages,
     mask,
     *,
-    epsilon=0.2,
-    epsilon_high=None,
-    importance_sampling_level="token",
+    epsilon=_G.epsilon,
+    epsilon_high=_G.epsilon_high,
+    importance_sampling_level=_G.importance_sampling_level,
     ref_logp=None,
     sampler_logp=None,
     tis_cap=None,
-    tis_mode="token_truncate",
+    tis_mode=_G.vllm_importance_sampling_mode,
     entropy=None,
     logits=None,
     temperature=1.0,
@@ -191,29 +196,37 @@ def token_weights(mask, loss_type, *, max_completion_length=None, num_active_tok
     return w
 
 
-def grpo_token_loss(old_logp, advantages, token_weight, *, epsilon=0.2, epsilon_high=None, delta=None, beta=0.0,
-                    ref_logp=None, tis=None):
-    """The GRPO loss as flat per-token terms, for `kernels.linear_logprobs_loss`: token_loss(logp[s:e],
-    s, e) -> token_weight * (surrogate * tis + beta * k3) on tokens s..e, whose sum over every slice
-    is aggregate_loss(per_token_loss(...)) when token_weight = token_weights(mask, loss_type, ...).
+@dataclass
+class LossInputs:
+    """One micro-batch as the loss sees it: [B, T] tensors (advantages [B]); None = not used."""
 
-    Flat [N] inputs (any subset of a batch's tokens, token-level ratios only); old_logp None: on-policy
-    (old = logp detached); tis: the precomputed tis_weight, or None. The reference for the GRPO
-    kernel (kernels.triton_logprobs.linear_grpo_loss_triton), which computes the same in-kernel.
-    """
-    def col(x, s, e):
-        return None if x is None else x[s:e, None]
+    logp: torch.Tensor  # policy log-probs (with grad when training)
+    old_logp: torch.Tensor  # the behaviour policy's (logp detached when on-policy)
+    advantages: torch.Tensor
+    mask: torch.Tensor  # 1 on real completion tokens
+    ref_logp: torch.Tensor | None = None  # when beta > 0
+    sampler_logp: torch.Tensor | None = None  # when TIS is on
+    entropy: torch.Tensor | None = None  # for the metrics
 
-    def token_loss(logp, s, e):
-        lp = logp[:, None]
-        old = lp.detach() if old_logp is None else col(old_logp, s, e)
-        w = token_weight[s:e, None].to(lp.dtype)
-        m = w != 0
-        loss = per_token_loss(lp, old, advantages[s:e], m, epsilon=epsilon, epsilon_high=epsilon_high, delta=delta)
-        if tis is not None:
-            loss = loss * col(tis, s, e).to(lp.dtype)
-        if beta > 0:
-            loss = loss + beta * k3_kl(lp, col(ref_logp, s, e), m)
-        return _clean(loss * w, m)[:, 0]
 
-    return token_loss
+def grpo_loss(x: LossInputs, g, *, tis: bool, max_completion_length: int, num_active_tokens=None):
+    """Scalar loss of one micro-batch (spec §4) from the job's `grpo` section (prime-rl's
+    loss_fn(inputs, config) shape)."""
+    per = per_token_loss(x.logp, x.old_logp, x.advantages, x.mask, epsilon=g.epsilon, epsilon_high=g.epsilon_high,
+                         delta=g.delta, importance_sampling_level=g.importance_sampling_level, beta=g.beta,
+                         ref_logp=x.ref_logp, **_tis_args(x, g, tis))
+    return aggregate_loss(per, x.mask, g.loss_type, max_completion_length=max_completion_length,
+                          num_active_tokens=num_active_tokens)
+
+
+def grpo_metrics(x: LossInputs, g, *, tis: bool) -> dict[str, float]:
+    return loss_metrics(x.logp.detach(), x.old_logp, x.advantages, x.mask, epsilon=g.epsilon,
+                        epsilon_high=g.epsilon_high, importance_sampling_level=g.importance_sampling_level,
+                        ref_logp=x.ref_logp, entropy=x.entropy, **_tis_args(x, g, tis))
+
+
+def _tis_args(x: LossInputs, g, tis: bool) -> dict:
+    if not tis:
+        return {}
+    return {"sampler_logp": x.sampler_logp, "tis_cap": g.vllm_importance_sampling_cap,
+            "tis_mode": g.vllm_importance_sampling_mode}

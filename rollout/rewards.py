@@ -15,7 +15,8 @@ import math
 from typing import Any
 
 import numpy as np
-from tandem.services.config import load_function
+
+from tandem.core.loader import load_function
 
 
 class RewardError(RuntimeError):

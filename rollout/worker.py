@@ -8,10 +8,12 @@ import os
 import time
 
 import numpy as np
+
+from tandem.core.compat import rollout_env_vars
+from tandem.core.protocol import PromptItem, RolloutFailure, RolloutGroup, group_meta, pack_completions
 from tandem.rollout.engines.base import Sampling
 from tandem.rollout.prompts import completion_views
 from tandem.rollout.rewards import RewardError, RewardFunctions
-from tandem.services.protocol import PromptItem, RolloutFailure, RolloutGroup, group_meta, pack_completions
 
 
 def build_engine(cfg, seed: int):
@@ -28,16 +30,25 @@ def build_engine(cfg, seed: int):
 
 
 class RolloutWorker:
-    def __init__(self, cfg, worker_id: int = 0):
-        from transformers import AutoTokenizer
+    """Lifecycle: `RolloutWorker(cfg, id)` stores; `setup()` imports the reward functions and starts the
+    engine; then `set_adapter` / `generate` calls; `shutdown()` closes the engine."""
 
+    def __init__(self, cfg, worker_id: int = 0):
         self.cfg, self.worker_id = cfg, worker_id
-        self.engine = build_engine(cfg, seed=cfg.seed + 1000 * worker_id)
-        self.tok = AutoTokenizer.from_pretrained(cfg.model.path)
-        self.rewards = RewardFunctions(cfg.rewards)
         self.sampling = Sampling.from_config(cfg)
         self.version = 0  # policy version served: 0 = the base model, v = the v-th published adapter
         self._stats = {"groups": 0, "failures": 0, "tokens": 0, "generate_s": 0.0, "score_s": 0.0}
+
+    def setup(self) -> dict:
+        from transformers import AutoTokenizer
+
+        from tandem.core.checks import raise_if, reward_errors
+
+        raise_if(reward_errors(self.cfg))  # one line naming the function, before the engine starts
+        self.rewards = RewardFunctions(self.cfg.rewards)
+        self.tok = AutoTokenizer.from_pretrained(self.cfg.model.path)
+        self.engine = build_engine(self.cfg, seed=self.cfg.seed + 1000 * self.worker_id)
+        return self.health()
 
     def set_adapter(self, version: int, tensors: dict) -> int:
         """Load a published policy; called between engine calls (the actor runs one call at a time)."""
@@ -110,8 +121,12 @@ def rollout_actor_class(cfg):
     import ray
 
     r = cfg.cluster.rollout_resources
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
-    if r.num_gpus == 0:
-        env["TORCHDYNAMO_DISABLE"] = "1"  # see VLLMEngine: the CPU sampler's torch.compile costs 30 s
     return ray.remote(num_cpus=r.num_cpus, num_gpus=r.num_gpus, resources=r.resources or None,
-                      runtime_env={"env_vars": env}, max_concurrency=1)(RolloutWorker)
+                      runtime_env={"env_vars": rollout_env_vars(r.num_gpus)}, max_concurrency=1)(RolloutWorker)
+
+
+def start_rollout_worker(cfg, slot: int):
+    """A rollout worker actor with its setup queued (an actor runs its calls in order, so every later
+    call finds the engine started). -> (actor, ref of setup: the worker's health once it serves)"""
+    w = rollout_actor_class(cfg).remote(cfg, slot)
+    return w, w.setup.remote()

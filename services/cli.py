@@ -1,4 +1,4 @@
-"""`tandem`: plan | run | submit | scale | status | tiny-model."""
+"""`tandem`: plan | check | run | submit | scale | status | tiny-model."""
 
 from __future__ import annotations
 
@@ -7,47 +7,18 @@ import sys
 import time
 import warnings
 
-import yaml
-from pydantic import ValidationError
-from tandem.services.config import (
-    BatchConfig,
-    ClusterConfig,
-    GRPOConfig,
-    JobConfig,
-    JobConfigError,
-    apply_override,
-    format_validation_error,
-    resolve_batch,
-)
-from tandem.services.plan import BatchPlan, arithmetic, table
+from tandem.core.config import JobConfig, JobConfigError, JobShape
+from tandem.core.plan import BatchPlan, arithmetic, table
 
 
-def read_job_file(path: str, overrides: list[str]) -> dict:
-    """The job file as a dict with --set overrides applied, unvalidated (for commands that read only
-    a part of it)."""
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise JobConfigError(f"job file {path!r}: {e.strerror}") from None
-    for item in overrides:
-        apply_override(data, item)
-    return data
+def load_shape(path: str, overrides: list[str]) -> JobShape:
+    """The whole job file through the job schema, model/data/rewards optional: what plan, scale and
+    status need, without the model or data on this machine."""
+    return JobShape.from_yaml(path, overrides)
 
 
 def load_plan(path: str, overrides: list[str]) -> BatchPlan:
-    """Only the batch-shaping sections are read, so a plan needs no model or data on disk."""
-    data = read_job_file(path, overrides)
-    try:
-        batch = BatchConfig.model_validate(data.get("batch", {}))
-        grpo = GRPOConfig.model_validate({"num_iterations": data.get("grpo", {}).get("num_iterations", 1)})
-        cluster = ClusterConfig.model_validate(data.get("cluster", {}))
-        resolve_batch(batch, grpo.num_iterations, cluster.num_processes)
-    except ValidationError as e:
-        raise JobConfigError(format_validation_error(e)) from None
-    except ValueError as e:
-        raise JobConfigError(f"invalid job: {e}") from None
-    return BatchPlan.from_sections(batch, cluster.num_processes, grpo.num_iterations)
+    return BatchPlan.from_config(load_shape(path, overrides))
 
 
 def cmd_plan(args) -> int:
@@ -58,17 +29,31 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_check(args) -> int:
+    from tandem.core.checks import check_inputs
+
+    cfg = JobConfig.from_yaml(args.job, args.set)
+    check_inputs(cfg)
+    plan = BatchPlan.from_config(cfg)
+    print(f"{args.job}: valid; model, data and {len(cfg.rewards)} reward function(s) found on this machine; "
+          f"{plan.unique_prompts} prompts × {plan.num_generations} completions per generation cycle")
+    return 0
+
+
 def cmd_run(args) -> int:
+    from tandem.core.checks import check_inputs
     from tandem.services.run import run_job
 
     cfg = JobConfig.from_yaml(args.job, args.set)
-    return run_job(cfg, address=args.address)
+    address = args.address or cfg.cluster.address
+    check_inputs(cfg)  # the driver sees the same files as every node (README: shared filesystem)
+    return run_job(cfg, address=address)
 
 
 def cmd_submit(args) -> int:
     from tandem.services.run import submit_job
 
-    JobConfig.from_yaml(args.job, args.set)  # a bad job file is refused here, not in the cluster's log
+    JobConfig.from_yaml(args.job, args.set)  # the schema only: the files and CUDA are the cluster's
     try:
         client, job_id = submit_job(args.job, args.set, args.address, args.working_dir)
     except TimeoutError as e:
@@ -98,10 +83,7 @@ def cmd_submit(args) -> int:
 
 def output_dir_of(path: str, overrides: list[str]) -> str:
     """A job file's run directory (all `scale` and `status` need: the running job is found by it)."""
-    from tandem.services.config import LoggingConfig
-
-    logging = read_job_file(path, overrides).get("logging") or {}
-    return logging.get("output_dir") or LoggingConfig().output_dir
+    return load_shape(path, overrides).logging.output_dir
 
 
 def worker_count(text: str) -> int:
@@ -151,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     sp.add_argument("--cycles", type=int, default=2)
     sp.set_defaults(fn=cmd_plan)
+
+    sk = sub.add_parser("check", help="validate a job file and check its model, data and rewards on this machine")
+    sk.add_argument("job")
+    sk.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    sk.set_defaults(fn=cmd_check)
 
     sr = sub.add_parser("run", help="run a job (embedded Ray unless --address)")
     sr.add_argument("job")

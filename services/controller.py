@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import shutil
 import threading
 import time
 from collections import Counter, deque
@@ -19,9 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from tandem.core.plan import BatchPlan
+from tandem.core.protocol import PromptItem
+from tandem.services.checkpointer import Checkpointer
 from tandem.services.data import check_rows, load_rows
-from tandem.services.plan import BatchPlan
-from tandem.services.protocol import PromptItem
 
 MAX_REWARD_RETRIES = 1  # a prompt whose reward function failed is retried once, then recorded as failed
 
@@ -78,14 +79,46 @@ def one_at_a_time(method):
 
 
 class Controller:
-    def __init__(self, cfg, *, learner=None, workers=None):
-        import ray
-        from tandem.rollout.prompts import tokenize_prompt
-        from transformers import AutoTokenizer
+    """Lifecycle: `Controller(cfg)` stores the job; `setup()` reads and tokenises the data and starts the
+    learner and the rollout workers; `resume()` optionally; `step()` per generation cycle (saving when
+    the checkpointer says so); `save_checkpoint()` at the end; `shutdown()`."""
 
+    def __init__(self, cfg):
         self.cfg = cfg
         self.plan = BatchPlan.from_config(cfg)
         self.out = Path(cfg.logging.output_dir)
+        self.checkpoints = Checkpointer(cfg)
+        self._drive = threading.Lock()
+        self.version = 0
+        self.cycle = 0
+        self.total_cycles = 0  # known once setup has read the data
+        self.next_group_id = 0
+        self.workers: list = []
+        self.target_workers = cfg.cluster.num_rollout_workers  # tandem scale sets it; applied between calls
+        self.starting: dict = {}  # slot -> setup ref of a worker added by scale, not yet serving
+        self.inflight: dict = {}  # call ref -> (worker slot, [PromptItem])
+        self.outstanding = Counter()  # worker slot -> prompts in flight
+        self.handed = Counter()  # worker slot -> prompts handed out so far (ties go to the least used)
+        self.ready: list = []  # (meta, group ref), oldest first
+        self.retries: Counter = Counter()
+        self.seen: list[tuple[int, int, int]] = []  # (epoch, dataset index, version) of every trained group
+        self.failed: list[dict] = []
+        self.counters = Counter()
+        self.adapter_ref = None
+        self.metrics_path = self.out / "metrics.jsonl"
+        self._gauges = None
+
+    @one_at_a_time
+    def setup(self, *, learner=None, workers=None) -> dict:
+        import ray
+        from transformers import AutoTokenizer
+
+        from tandem.core.checks import check_inputs, write_shared_probe
+        from tandem.rollout.prompts import tokenize_prompt
+        from tandem.rollout.worker import start_rollout_worker
+
+        cfg = self.cfg
+        check_inputs(cfg)  # as this node sees them; each worker imports the rewards again in its setup
         self.out.mkdir(parents=True, exist_ok=True)
         rows = load_rows(cfg.data.path)
         check_rows(rows, cfg.data.prompt_column, cfg.data.path)
@@ -108,32 +141,19 @@ class Controller:
         if learner is None:
             from tandem.learner.group import LearnerGroup
 
-            learner = LearnerGroup(cfg, total_steps=self.total_steps)
+            probe = write_shared_probe(cfg.logging.output_dir)
+            try:
+                learner = LearnerGroup(cfg, total_steps=self.total_steps, probe=probe)
+            finally:
+                Path(probe).unlink(missing_ok=True)
         if workers is None:
-            from tandem.rollout.worker import rollout_actor_class
-
-            cls = rollout_actor_class(cfg)
-            workers = [cls.remote(cfg, i) for i in range(cfg.cluster.num_rollout_workers)]
-            ray.get([w.health.remote() for w in workers])
+            started = [start_rollout_worker(cfg, i) for i in range(cfg.cluster.num_rollout_workers)]
+            workers = [w for w, _ in started]
+            ray.get([ref for _, ref in started])
         self.learner = learner
         self.workers = workers
-        self._drive = threading.Lock()
-        self.target_workers = len(workers)  # tandem scale sets it; applied between generate calls
-        self.starting: dict = {}  # slot -> health ref of a worker added by scale, not yet serving
-        self.version = 0
-        self.cycle = 0
-        self.next_group_id = 0
-        self.inflight: dict = {}  # call ref -> (worker slot, [PromptItem])
-        self.outstanding = Counter()  # worker slot -> prompts in flight
-        self.handed = Counter()  # worker slot -> prompts handed out so far (ties go to the least used)
-        self.ready: list = []  # (meta, group ref), oldest first
-        self.retries: Counter = Counter()
-        self.seen: list[tuple[int, int, int]] = []  # (epoch, dataset index, version) of every trained group
-        self.failed: list[dict] = []
-        self.counters = Counter()
-        self.adapter_ref = None
-        self.metrics_path = self.out / "metrics.jsonl"
-        self._gauges = None
+        self.target_workers = len(workers)
+        return self.status()
 
     # ------------------------------------------------------------------------------ workers
 
@@ -162,17 +182,17 @@ class Controller:
                 "counters": dict(self.counters)}
 
     def _new_worker(self, slot: int):
-        """A rollout worker for `slot`, the current adapter queued as its first call (an actor runs
-        its calls in order: before any generate). -> (actor, ref of that call or None)"""
-        from tandem.rollout.worker import rollout_actor_class
+        """A rollout worker for `slot`, started, with the current adapter queued (an actor runs its
+        calls in order: before any generate). -> (actor, ref of the adapter call, else of setup)"""
+        from tandem.rollout.worker import start_rollout_worker
 
-        w = rollout_actor_class(self.cfg).remote(self.cfg, slot)
-        return w, (w.set_adapter.remote(self.version, self.adapter_ref) if self.adapter_ref is not None else None)
+        w, ready = start_rollout_worker(self.cfg, slot)
+        return w, (w.set_adapter.remote(self.version, self.adapter_ref) if self.adapter_ref is not None else ready)
 
     def _apply_scale(self) -> None:
         while len(self.workers) < self.target_workers:
-            w, _ = self._new_worker(len(self.workers))
-            self.starting[len(self.workers)] = w.health.remote()
+            w, ready = self._new_worker(len(self.workers))
+            self.starting[len(self.workers)] = ready
             self.workers.append(w)
             self.counters["workers_added"] += 1
         busy = {slot for slot, _, _ in self.inflight.values()}
@@ -271,9 +291,8 @@ class Controller:
             self.ray.kill(self.workers[slot])
         except Exception:  # noqa: BLE001 - already gone
             pass
-        self.workers[slot], adapter = self._new_worker(slot)
-        if adapter is not None:
-            self.ray.get(adapter)
+        self.workers[slot], ready = self._new_worker(slot)
+        self.ray.get(ready)
 
     # --------------------------------------------------------------------------------- cycle
 
@@ -320,6 +339,8 @@ class Controller:
         }
         steps = [dict(s, **extra) for s in result["steps"]]
         self._log(steps)
+        if self.checkpoints.due([s["step"] for s in steps]):
+            self._save()
         return {"version": self.version, "steps": steps, "done": self.cycle >= self.total_cycles}
 
     # ------------------------------------------------------------------------------ metrics
@@ -355,20 +376,19 @@ class Controller:
 
     @one_at_a_time
     def save_checkpoint(self) -> str:
-        root = Path(self.cfg.checkpoint_dir)
-        root.mkdir(parents=True, exist_ok=True)
-        path = self.learner.save_checkpoint(str(root / f"cycle-{self.cycle:06d}"), {"controller": self.state()})
-        done = sorted(complete_checkpoints(root))
-        for old in done[:-self.cfg.checkpoint.save_total_limit]:
-            shutil.rmtree(old, ignore_errors=True)
+        return self._save()
+
+    def _save(self) -> str:
+        path = self.learner.save_checkpoint(self.checkpoints.path(self.cycle), {"controller": self.state()})
+        self.checkpoints.prune()
         return path
 
     @one_at_a_time
     def resume(self) -> bool:
-        found = complete_checkpoints(Path(self.cfg.checkpoint_dir))
-        if not found:
+        latest = self.checkpoints.latest()
+        if latest is None:
             return False
-        meta = self.learner.load_checkpoint(str(found[-1]))
+        meta = self.learner.load_checkpoint(str(latest))
         st = meta["controller"]
         self.cursor.load(st["cursor"])
         self.cycle, self.version, self.next_group_id = st["cycle"], st["version"], st["next_group_id"]
@@ -395,12 +415,3 @@ class Controller:
             except self.ray.exceptions.RayError as e:
                 self.counters["worker_failures"] += 1
                 self._replace_worker(slot, e)
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Checkpoint dirs that finished writing (tandem.json inside, no .tmp suffix), oldest first."""
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.endswith(".tmp")
-                  and (p / "tandem.json").is_file())
-

@@ -9,7 +9,8 @@ import time
 
 def main(job: str) -> int:
     import psutil
-    from tandem.services.config import JobConfig
+
+    from tandem.core.config import JobConfig
     from tandem.services.run import run_job
 
     base = psutil.virtual_memory().used

@@ -4,7 +4,8 @@ them in step): `python -m tandem.services.reference`."""
 from __future__ import annotations
 
 from pydantic import BaseModel
-from tandem.services.config import JobConfig
+
+from tandem.core.config import JobConfig
 
 
 def _default(f) -> str:

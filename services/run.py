@@ -12,9 +12,11 @@ from pathlib import Path
 def start_ray(address: str | None, cfg):
     import ray
 
+    from tandem.core.compat import job_env_vars
+
     if ray.is_initialized():
         return ray
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.getcwd()}}
+    env = {"env_vars": job_env_vars(os.getcwd())}
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
     else:
@@ -37,15 +39,21 @@ def controller_name(output_dir: str) -> str:
 def start_controller(ray, cfg):
     """The Controller actor, named after the run directory; two threads, so that `scale` and `status`
     are answered while a cycle runs."""
-    from tandem.services.config import JobConfigError
+    from tandem.core.config import JobConfigError
     from tandem.services.controller import Controller
 
     name = controller_name(cfg.logging.output_dir)
     try:
         ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:
-        return ray.remote(num_cpus=0, max_concurrency=2)(Controller).options(
+        ctl = ray.remote(num_cpus=0, max_concurrency=2)(Controller).options(
             name=name, namespace=NAMESPACE).remote(cfg)
+        try:  # waited for: a threaded actor does not keep its calls in order
+            ray.get(ctl.setup.remote())
+        except BaseException:
+            ray.kill(ctl)  # frees the name
+            raise
+        return ctl
     raise JobConfigError(f"logging.output_dir = {cfg.logging.output_dir!r}: a job writing there is already "
                          "running on this Ray cluster; allowed: a run directory no running job uses")
 
@@ -54,7 +62,8 @@ def connect_controller(output_dir: str, address: str | None):
     """The Controller of the job running with this run directory, on the cluster at `address`
     (None: the one on this machine)."""
     import ray
-    from tandem.services.config import JobConfigError
+
+    from tandem.core.config import JobConfigError
 
     if not ray.is_initialized():
         try:
@@ -122,8 +131,9 @@ def answered_within(fn, seconds: float):
 
 
 def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:
-    from tandem.services.plot import plot_run, read_metrics
     from tqdm import tqdm
+
+    from tandem.services.plot import plot_run, read_metrics
 
     ray = start_ray(address, cfg)
     t_start = time.time()
@@ -134,17 +144,14 @@ def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:
     total = ray.get(ctl.__ray_call__.remote(lambda self: self.total_cycles))
     cycle0 = ray.get(ctl.__ray_call__.remote(lambda self: self.cycle))
     bar = tqdm(total=total, initial=cycle0, desc="GRPO", unit="cycle", disable=not cfg.logging.progress, file=out)
-    save_every = cfg.checkpoint.save_steps
     try:
         done = cycle0 >= total
         while not done:
-            r = ray.get(ctl.step.remote())
+            r = ray.get(ctl.step.remote())  # saves when checkpoint.save_steps says so
             s = r["steps"][-1]
             done = r["done"]
             bar.set_postfix(reward=f"{s['reward']:.3f}", step_s=f"{s['cycle_s']:.2f}", v=r["version"])
             bar.update(1)
-            if save_every and s["step"] % save_every < len(r["steps"]):
-                ray.get(ctl.save_checkpoint.remote())
     except KeyboardInterrupt:
         bar.close()
         print("\ninterrupted: saving a checkpoint before stopping...", file=out)

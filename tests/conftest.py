@@ -1,7 +1,5 @@
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -9,8 +7,6 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 @pytest.fixture
@@ -60,22 +56,3 @@ def ray_session(tmp_path_factory):
              _temp_dir=str(tmp_path_factory.mktemp("ray")), configure_logging=False)
     yield ray
     ray.shutdown()
-
-
-def make_job(tmp_path, model_path, rewards, **sections):
-    """A validated JobConfig for integration tests (data file written beside it)."""
-    from tandem.services.config import JobConfig
-
-    data = tmp_path / "data.jsonl"
-    if not data.exists():
-        data.write_text("".join(json.dumps({"prompt": f"{a} + {a}", "answer": 2 * a}) + "\n" for a in range(16)))
-    d = {"model": {"path": model_path, "dtype": "float32", "lora": {"r": 8, "lora_alpha": 16}},
-         "data": {"path": str(data)}, "rewards": rewards,
-         "generation": {"max_prompt_length": 64, "max_completion_length": 16},
-         "batch": {"num_generations": 4, "per_device_train_batch_size": 4}}
-    for k, v in sections.items():
-        if isinstance(v, dict):
-            d.setdefault(k, {}).update(v)
-        else:
-            d[k] = v
-    return JobConfig.from_dict(d)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from tandem.rollout.tiny_model import build_tiny_model
 
 PROMPTS = ["write a number", "say some digits", "give me digits", "a number please", "digits", "count"]

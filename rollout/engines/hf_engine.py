@@ -4,6 +4,7 @@ the processed scores, LoRA through peft."""
 from __future__ import annotations
 
 import numpy as np
+
 from tandem.rollout.engines.base import Completion, Engine, Sampling
 
 

@@ -9,10 +9,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from tandem.rollout.engines.base import Completion, Engine, Sampling, write_peft_adapter
 
-# Engine inside this process: ~2 s start instead of 12-33 s, and tensors can be handed over directly.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+from tandem.core.compat import before_vllm_import
+from tandem.rollout.engines.base import Completion, Engine, Sampling, write_peft_adapter
 
 
 class TandemWorkerExtension:
@@ -44,11 +43,7 @@ class VLLMEngine(Engine):
 
         self._set_num_threads = torch.set_num_threads  # vLLM replaces it with a no-op in this process
         on_cpu = not torch.cuda.is_available()
-        if on_cpu:
-            # vLLM's CPU sampler is wrapped in torch.compile: 30 s of inductor on 2 cores, same numbers
-            # as eager. Must be set before vllm is imported.
-            os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-            torch._dynamo.config.disable = True
+        before_vllm_import()
         from vllm import LLM
 
         self.model_path, self.lora = model_path, lora

@@ -1,23 +1,24 @@
 """The job description: every GRPO parameter with the exact name and default of spec/GRPO.md.
 
-Light on purpose (pydantic + yaml only): rollout, learner and the CLI all import it. Every
+Pure on purpose (pydantic + yaml only, no disk, no user code, no CUDA probe): rollout, learner and
+every CLI command import it, and a job validates the same on a laptop as on the cluster. Every
 invalid value is refused when the job is loaded, with one message naming the field path, the
 value and what is allowed. The one documented auto-adjustment (per_device_train_batch_size
-raised to num_generations) warns loudly.
+raised to num_generations) warns loudly. What depends on the machine (paths, reward imports,
+CUDA) is checked by `tandem.core.checks` in the process that uses it.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
-import sys
 import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tandem.core.plan import batch_error
 
 
 class JobConfigError(ValueError):
@@ -50,7 +51,8 @@ class LoraConfig(_Section):
 
 
 class ModelConfig(_Section):
-    path: str = Field(description="local directory of a transformers causal LM (config.json inside)")
+    path: str = Field(description="local directory of a transformers causal LM (config.json inside); "
+                      "every node must see it at this path")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="training/inference precision; float16 needs CUDA (loss scaling)"
     )
@@ -59,13 +61,6 @@ class ModelConfig(_Section):
     )
     fast_inference: bool = Field(True, description="True: vLLM samples; False: transformers generate")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
-
-    @field_validator("path")
-    @classmethod
-    def _model_dir_exists(cls, v: str) -> str:
-        if not (Path(v) / "config.json").is_file():
-            raise ValueError(f"model.path = {v!r}: no config.json there; give a local model directory")
-        return v
 
 
 # ----------------------------------------------------------------------------------------- data
@@ -80,16 +75,6 @@ class DataConfig(_Section):
     truncate_long_prompts: bool = Field(
         False, description="left-truncate prompts over max_prompt_length instead of refusing them"
     )
-
-    @field_validator("path")
-    @classmethod
-    def _data_exists(cls, v: str) -> str:
-        p = Path(v)
-        if not p.exists():
-            raise ValueError(f"data.path = {v!r}: no such file or directory")
-        if p.is_file() and p.suffix not in (".jsonl", ".json", ".parquet"):
-            raise ValueError(f"data.path = {v!r}: file type {p.suffix!r} not supported; allowed .jsonl .json .parquet")
-        return v
 
 
 # ----------------------------------------------------------------------------------- generation
@@ -176,13 +161,14 @@ class GRPOConfig(_Section):
 
 class OptimizerConfig(_Section):
     learning_rate: float = Field(1e-6, gt=0, le=1, description="peak learning rate (AdamW)")
-    weight_decay: float = Field(0.0, ge=0, le=1)
-    adam_beta1: float = Field(0.9, ge=0, lt=1)
-    adam_beta2: float = Field(0.999, ge=0, lt=1)
-    adam_epsilon: float = Field(1e-8, gt=0, le=1)
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW decoupled weight decay")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW second-moment decay")
+    adam_epsilon: float = Field(1e-8, gt=0, le=1, description="AdamW denominator epsilon")
     warmup_ratio: float = Field(0.0, ge=0, le=1, description="fraction of optimizer steps warming up")
     warmup_steps: int = Field(0, ge=0, description="warm-up steps; overrides warmup_ratio when > 0")
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
+        "linear", description="learning-rate schedule after warm-up (transformers' names)")
     max_grad_norm: float = Field(1.0, ge=0, description="clip the global grad norm; 0 = off")
 
 
@@ -192,19 +178,20 @@ class OptimizerConfig(_Section):
 class Resources(_Section):
     """What one actor asks Ray for, so an autoscaler can place rollout and learner separately."""
 
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
+    num_cpus: float = Field(1.0, ge=0, description="CPUs per actor (Ray)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (Ray); fractions share a GPU")
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources")
 
 
 class ClusterConfig(_Section):
     num_rollout_workers: int = Field(1, ge=1, description="RolloutWorker actors")
-    rollout_resources: Resources = Field(default_factory=Resources)
+    rollout_resources: Resources = Field(default_factory=Resources, description="per rollout worker")
     num_processes: int = Field(1, ge=1, description="learner processes (one DeepSpeed rank each)")
-    learner_resources: Resources = Field(default_factory=Resources)
+    learner_resources: Resources = Field(default_factory=Resources, description="per learner process")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage")
     max_staleness: int = Field(0, ge=0, le=16, description="policy versions a group may lag; 0 = synchronous")
-    address: str | None = Field(None, description="Ray address to join; null = embedded Ray")
+    address: str | None = Field(None, description="Ray address `tandem run` joins when --address is not given; "
+                                "null = embedded Ray")
 
 
 class CheckpointConfig(_Section):
@@ -215,8 +202,8 @@ class CheckpointConfig(_Section):
 
 
 class LoggingConfig(_Section):
-    output_dir: str = Field("runs/tandem", description="run directory: metrics.jsonl, plot, checkpoints")
-    logging_steps: int = Field(1, ge=1)
+    output_dir: str = Field("runs/tandem", description="run directory: metrics.jsonl, plot, checkpoints; on a "
+                            "cluster a filesystem every node sees at this path")
     progress: bool = Field(True, description="progress bar on the terminal")
 
 
@@ -224,45 +211,40 @@ class LoggingConfig(_Section):
 
 
 class JobConfig(_Section):
-    model: ModelConfig
-    data: DataConfig
+    model: ModelConfig = Field(description="the policy model (section)")
+    data: DataConfig = Field(description="the prompt dataset (section)")
     rewards: list[str] = Field(min_length=1, description="reward functions: module:function or file.py:function")
-    generation: GenerationConfig = Field(default_factory=GenerationConfig)
-    batch: BatchConfig = Field(default_factory=BatchConfig)
-    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = Field(default_factory=LoggingConfig)
-    seed: int = Field(42, ge=0, le=2**32 - 1)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig, description="sampling (section)")
+    batch: BatchConfig = Field(default_factory=BatchConfig, description="batch arithmetic (section)")
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="the loss (section)")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW and schedule (section)")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="actors and resources (section)")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="saving and resume (section)")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="run directory and progress (section)")
+    seed: int = Field(42, ge=0, le=2**32 - 1, description="seeds the prompt order, the engines and the learner")
 
     @field_validator("rewards")
     @classmethod
-    def _rewards_import(cls, v: list[str]) -> list[str]:
-        for i, spec in enumerate(v):
-            try:
-                load_function(spec)
-            except Exception as e:  # noqa: BLE001 - the message is the point
-                raise ValueError(f"rewards[{i}] = {spec!r}: {e}") from None
+    def _reward_specs(cls, v: list[str]) -> list[str]:
+        # the form only; importing the function runs user code (tandem.core.checks does that)
+        for i, spec in enumerate(v or []):
+            if not isinstance(spec, str) or ":" not in spec or not all(spec.rsplit(":", 1)):
+                raise ValueError(f"rewards[{i}] = {spec!r}: expected 'module:function' or 'path/to/file.py:function'")
         return v
 
     @model_validator(mode="after")
     def _cross_checks(self) -> JobConfig:
         g, b, c = self.grpo, self.batch, self.cluster
-        if g.reward_weights is not None and len(g.reward_weights) != len(self.rewards):
+        if g.reward_weights is not None and self.rewards is not None and len(g.reward_weights) != len(self.rewards):
             raise ValueError(
                 f"grpo.reward_weights = {g.reward_weights}: {len(g.reward_weights)} weights for "
                 f"{len(self.rewards)} reward functions; give one per function or null"
             )
         if g.vllm_importance_sampling_correction is None:
-            g.vllm_importance_sampling_correction = self.model.fast_inference
+            g.vllm_importance_sampling_correction = self.model.fast_inference if self.model else True
         if g.epsilon_high is not None and g.epsilon_high < g.epsilon:
             raise ValueError(
                 f"grpo.epsilon_high = {g.epsilon_high}: must be >= grpo.epsilon = {g.epsilon} (or null)"
-            )
-        if self.model.dtype == "float16" and not _cuda_available():
-            raise ValueError(
-                "model.dtype = 'float16': needs CUDA (DeepSpeed refuses fp16 on CPU); use 'bfloat16' or 'float32'"
             )
         if b.num_generations == 2:
             warnings.warn(
@@ -300,21 +282,12 @@ class JobConfig(_Section):
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | None = None) -> JobConfig:
-        p = Path(path)
-        if not p.is_file():
-            raise JobConfigError(f"job file {str(p)!r}: not found")
-        try:
-            data = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise JobConfigError(f"job file {str(p)!r}: not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise JobConfigError(f"job file {str(p)!r}: must be a mapping of sections, got {type(data).__name__}")
-        return cls.from_dict(data, overrides)
+        return cls.from_dict(read_job_file(path), overrides)
 
     @classmethod
     def from_trl(cls, flat: dict[str, Any], **sections: Any) -> JobConfig:
         """A flat TRL/Unsloth GRPOConfig-style dict (plus model/data/rewards sections) as a job."""
-        from tandem.services.trl_compat import trl_to_sections
+        from tandem.core.trl import trl_to_sections  # noqa: PLC0415 - trl imports this module
 
         data = trl_to_sections(flat)
         for name, value in sections.items():
@@ -326,53 +299,52 @@ class JobConfig(_Section):
         return cls.from_dict(data)
 
 
+class JobShape(JobConfig):
+    """A job file whose inputs may be left out (model, data, rewards): what `tandem plan` reads. The
+    same schema otherwise: every section present is validated in full, typos included."""
+
+    model: ModelConfig | None = Field(None, description="the policy model (section)")
+    data: DataConfig | None = Field(None, description="the prompt dataset (section)")
+    rewards: list[str] | None = Field(None, min_length=1, description="reward functions")
+
+
 # ------------------------------------------------------------------------------------- helpers
 
 
+def read_job_file(path: str | os.PathLike) -> dict[str, Any]:
+    """The one reader of job files: a YAML mapping of sections, unvalidated."""
+    p = Path(path)
+    if not p.is_file():
+        raise JobConfigError(f"job file {str(p)!r}: not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise JobConfigError(f"job file {str(p)!r}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise JobConfigError(f"job file {str(p)!r}: must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+
 def resolve_batch(b: BatchConfig, num_iterations: int, num_processes: int) -> None:
-    """Spec §3 checks; fills steps_per_generation and applies the one documented adjustment."""
+    """Spec §3: fills steps_per_generation, applies the one documented adjustment, then the checks
+    (one implementation, shared with BatchPlan)."""
     if b.steps_per_generation is None:
         b.steps_per_generation = b.gradient_accumulation_steps
-    G, nproc, per = b.num_generations, num_processes, b.per_device_train_batch_size
-    ebs = b.steps_per_generation * nproc * per
-    if ebs % G:
-        if per < G:
-            warnings.warn(
-                f"batch.per_device_train_batch_size = {per} raised to num_generations = {G}: "
-                f"effective_batch_size {ebs} was not divisible by {G} (spec §3)",
-                JobConfigWarning,
-                stacklevel=3,
-            )
-            b.per_device_train_batch_size = per = G
-        else:
-            near_b = sorted(
-                (x for x in range(1, 4 * per + G + 1) if (b.steps_per_generation * nproc * x) % G == 0),
-                key=lambda x: (abs(x - per), x),
-            )[:2]
-            near_s = sorted(
-                (s for s in range(1, 4 * b.steps_per_generation + G + 1)
-                 if (s * nproc * per) % G == 0 and (s * num_iterations) % b.gradient_accumulation_steps == 0),
-                key=lambda s: (abs(s - b.steps_per_generation), s),
-            )[:1]
-            raise ValueError(
-                f"effective_batch_size = steps_per_generation × num_processes × per_device_train_batch_size = "
-                f"{b.steps_per_generation} × {nproc} × {per} = {ebs} is not divisible by batch.num_generations = "
-                f"{G}; try batch.per_device_train_batch_size in {near_b} or batch.steps_per_generation in {near_s}"
-            )
-    if (b.steps_per_generation * num_iterations) % b.gradient_accumulation_steps:
-        raise ValueError(
-            f"batch.steps_per_generation × grpo.num_iterations = {b.steps_per_generation} × {num_iterations} "
-            f"is not a multiple of batch.gradient_accumulation_steps = {b.gradient_accumulation_steps}: "
-            "every generation cycle must hold whole optimizer steps"
+    G, per = b.num_generations, b.per_device_train_batch_size
+    ebs = b.steps_per_generation * num_processes * per
+    if ebs % G and per < G:
+        warnings.warn(
+            f"batch.per_device_train_batch_size = {per} raised to num_generations = {G}: "
+            f"effective_batch_size {ebs} was not divisible by {G} (spec §3)",
+            JobConfigWarning,
+            stacklevel=3,
         )
-
-
-def _cuda_available() -> bool:
-    if importlib.util.find_spec("torch") is None:
-        return False
-    import torch  # only reached when someone asks for float16
-
-    return torch.cuda.is_available()
+        b.per_device_train_batch_size = G
+    err = batch_error(b.per_device_train_batch_size, b.gradient_accumulation_steps, b.steps_per_generation, G,
+                      num_processes, num_iterations)
+    if err:
+        raise ValueError(err)
 
 
 def _deep_copy(d: Any) -> Any:
@@ -419,34 +391,3 @@ def format_validation_error(e: ValidationError) -> str:
             allowed = msg.removeprefix("Input should be ")
             lines.append(f"{loc} = {err['input']!r}: must be {allowed}")
     return "invalid job: " + "; ".join(lines)
-
-
-def load_function(spec: str):
-    """`package.module:function` or `path/to/file.py:function` -> the callable."""
-    if not isinstance(spec, str) or ":" not in spec:
-        raise ValueError("expected 'module:function' or 'path/to/file.py:function'")
-    target, name = spec.rsplit(":", 1)
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise ValueError(f"file {target!r} not found")
-        mod_name = f"tandem_user_{path.stem}_{abs(hash(str(path.resolve())))}"
-        mod = sys.modules.get(mod_name)
-        if mod is None:
-            s = importlib.util.spec_from_file_location(mod_name, path)
-            mod = importlib.util.module_from_spec(s)
-            sys.modules[mod_name] = mod
-            try:
-                s.loader.exec_module(mod)
-            except Exception as e:
-                del sys.modules[mod_name]
-                raise ValueError(f"importing {target!r} failed: {type(e).__name__}: {e}") from None
-    else:
-        try:
-            mod = importlib.import_module(target)
-        except Exception as e:
-            raise ValueError(f"cannot import module {target!r}: {type(e).__name__}: {e}") from None
-    fn = getattr(mod, name, None)
-    if fn is None or not callable(fn):
-        raise ValueError(f"{target!r} has no function {name!r}")
-    return fn

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+
 from tandem.learner.loss import aggregate_loss, loss_metrics, per_token_loss
 
 B, T, L_MAX = 5, 6, 8

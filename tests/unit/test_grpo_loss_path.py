@@ -4,6 +4,7 @@ aggregate_loss) on a small random transformers model, left-padded prompts and ma
 
 import pytest
 import torch
+
 from tandem.learner.logprobs import completion_grpo_loss, completion_logprobs
 from tandem.learner.loss import aggregate_loss, per_token_loss, tis_weight, token_weights
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from tandem.kernels.logprobs import linear_logprobs, selective_logprobs
 
 

@@ -23,7 +23,7 @@ _SECTION_OF = {
     "optimizer": ["learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "warmup_ratio",
                   "warmup_steps", "lr_scheduler_type", "max_grad_norm"],
     "checkpoint": ["save_steps", "save_total_limit"],
-    "logging": ["output_dir", "logging_steps"],
+    "logging": ["output_dir"],
 }
 KNOWN: dict[str, tuple[str, str]] = {name: (sec, name) for sec, names in _SECTION_OF.items() for name in names}
 KNOWN.update({
@@ -57,7 +57,7 @@ UNSUPPORTED_NEUTRAL: dict[str, Any] = {
 }
 
 COSMETIC = {
-    "report_to", "logging_dir", "run_name", "logging_first_step", "logging_strategy", "log_level",
+    "report_to", "logging_steps", "logging_dir", "run_name", "logging_first_step", "logging_strategy", "log_level",
     "push_to_hub", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "disable_tqdm",
     "log_completions", "num_completions_to_print", "wandb_log_unique_prompts", "dataloader_num_workers",
     "dataloader_pin_memory", "remove_unused_columns", "overwrite_output_dir", "save_strategy",
@@ -107,7 +107,7 @@ def trl_to_sections(flat: dict[str, Any]) -> dict[str, Any]:
         else:
             unsupported.append(f"{name}={value!r} (unknown GRPOConfig name)")
     if unsupported:
-        from tandem.services.config import JobConfigError
+        from tandem.core.config import JobConfigError
 
         raise JobConfigError("TRL config: not supported by Tandem (they change training): " + ", ".join(unsupported))
     if ignored:
@@ -118,7 +118,7 @@ def trl_to_sections(flat: dict[str, Any]) -> dict[str, Any]:
         b = out.setdefault("batch", {})
         per = b.get("per_device_train_batch_size", 8)
         if gbs % per:
-            from tandem.services.config import JobConfigError
+            from tandem.core.config import JobConfigError
 
             raise JobConfigError(
                 f"TRL config: generation_batch_size = {gbs} is not a multiple of per_device_train_batch_size = {per}"

@@ -5,9 +5,10 @@ import socket
 
 import pytest
 import torch
-from conftest import ROOT, make_job
-from learner_helpers import make_groups, reference_step, sgd
+
 from tandem.learner.actor import Learner
+from tests.helpers import ROOT, make_job
+from tests.helpers.learner import make_groups, reference_step, sgd, started
 
 pytestmark = pytest.mark.integration
 REWARD = f"{ROOT}/examples/rewards.py:length_reward"
@@ -43,7 +44,7 @@ def close(a, b, tol=1e-6):
 def test_accumulation_matches_whole_batch(tmp_path, tiny_model, loss_type, zero):
     groups = make_groups(2, 4, seed=1)  # 8 samples, unequal lengths
     c4 = job(tmp_path, tiny_model, per=2, ga=4, spg=4, loss_type=loss_type, zero=zero)
-    l4 = Learner(c4, port=free_port(), optimizer=sgd(LR))
+    l4 = started(Learner(c4, port=free_port(), optimizer=sgd(LR)))
     before = l4.trainable_parameters()
     step = l4.train(groups)["steps"][0]
     got = {k.removeprefix("module."): v for k, v in l4.trainable_parameters().items()}
@@ -58,7 +59,7 @@ def test_accumulation_matches_whole_batch(tmp_path, tiny_model, loss_type, zero)
     # and GA=1 on the four micro-batches concatenated gives the same step (bnpo excepted: local)
     if loss_type != "bnpo":
         c1 = job(tmp_path, tiny_model, per=8, ga=1, spg=1, loss_type=loss_type, zero=zero)
-        l1 = Learner(c1, port=free_port(), optimizer=sgd(LR))
+        l1 = started(Learner(c1, port=free_port(), optimizer=sgd(LR)))
         l1.train(groups)
         close(l1.trainable_parameters(), l4.trainable_parameters())
 
@@ -72,7 +73,7 @@ def test_all_loss_terms_match_whole_batch(tmp_path, tiny_model, level):
               grpo={"beta": 0.2, "epsilon_high": 0.28, "delta": 1.5, "importance_sampling_level": level,
                     "vllm_importance_sampling_correction": True, "vllm_importance_sampling_cap": 1.2},
               generation={"temperature": 0.8})
-    lr = Learner(cfg, port=free_port(), optimizer=sgd(LR))
+    lr = started(Learner(cfg, port=free_port(), optimizer=sgd(LR)))
     lr.train(groups)
     close(lr.trainable_parameters(), reference_step(cfg, groups, LR, iterations=2))
 
@@ -82,7 +83,7 @@ def test_zero3_with_reference_and_two_epochs_matches_whole_batch(tmp_path, tiny_
     engine.forward, which the learner bypasses: KL to the adapter-free reference, two PPO epochs."""
     groups = make_groups(2, 4, seed=1)
     cfg = job(tmp_path, tiny_model, per=4, ga=2, spg=2, mu=2, zero=3, grpo={"beta": 0.1})
-    lr = Learner(cfg, port=free_port(), optimizer=sgd(LR))
+    lr = started(Learner(cfg, port=free_port(), optimizer=sgd(LR)))
     lr.train(groups)
     params = lr.trainable_parameters()
     close(params, reference_step(cfg, groups, LR, iterations=2))
@@ -95,7 +96,7 @@ def test_zero3_with_reference_and_two_epochs_matches_whole_batch(tmp_path, tiny_
 def test_two_ppo_epochs_match_hand_rolled_loop(tmp_path, tiny_model):
     groups = make_groups(2, 4, seed=2)
     cfg = job(tmp_path, tiny_model, per=8, ga=1, spg=1, mu=2)
-    lr = Learner(cfg, port=free_port(), optimizer=sgd(LR))
+    lr = started(Learner(cfg, port=free_port(), optimizer=sgd(LR)))
     assert lr.needs_old()
     out = lr.train(groups)
     assert len(out["steps"]) == 2
@@ -111,7 +112,7 @@ def test_positive_advantage_raises_logprob(tmp_path, tiny_model):
     groups[0].rewards[2] = 1.0  # completion 2 is the good one
     groups[0].eos[:] = True
     cfg = job(tmp_path, tiny_model, per=4, ga=1, spg=1, optimizer={"learning_rate": 1e-2})
-    lr = Learner(cfg, port=free_port())
+    lr = started(Learner(cfg, port=free_port()))
     s = Samples.from_groups(groups)
     mb = to_device(collate(s, range(4), torch.zeros(4), pad_id=0, mask_truncated=False), lr.device)
 
@@ -131,12 +132,12 @@ def test_positive_advantage_raises_logprob(tmp_path, tiny_model):
 def test_checkpoint_resume_is_bit_identical(tmp_path, tiny_model):
     cfg = job(tmp_path, tiny_model, per=4, ga=1, spg=2, optimizer={"learning_rate": 1e-2, "max_grad_norm": 1.0})
     b1, b2 = make_groups(2, 4, seed=4), make_groups(2, 4, seed=5)
-    a = Learner(cfg, port=free_port())
+    a = started(Learner(cfg, port=free_port()))
     a.train(b1)
     ck = a.save_checkpoint(str(tmp_path / "ck" / "step-1"))
     assert not (tmp_path / "ck" / "step-1.tmp").exists()
     a.train(b2)
-    b = Learner(cfg, port=free_port())
+    b = started(Learner(cfg, port=free_port()))
     meta = b.load_checkpoint(ck)
     assert meta["version"] == 1 and b.version == 1
     b.train(b2)
@@ -147,14 +148,15 @@ def test_checkpoint_resume_is_bit_identical(tmp_path, tiny_model):
 
 
 def test_reference_is_base_model(tmp_path, tiny_model):
+    from transformers import AutoModelForCausalLM
+
     from tandem.learner.batch import Samples, collate, to_device
     from tandem.learner.logprobs import completion_logprobs
-    from transformers import AutoModelForCausalLM
 
     groups = make_groups(1, 4, seed=6)
     cfg = job(tmp_path, tiny_model, per=4, ga=1, spg=1, grpo={"beta": 0.1},
               optimizer={"learning_rate": 5e-2})
-    lr = Learner(cfg, port=free_port())
+    lr = started(Learner(cfg, port=free_port()))
     lr.train(groups)
     lr.train(groups)  # adapter now non-zero
     s = Samples.from_groups(groups)
@@ -175,7 +177,7 @@ def test_non_finite_loss_stops_before_the_weights_move(tmp_path, tiny_model):
     groups = make_groups(2, 4, seed=13)
     groups[1].sampler_logprobs[0] = float("nan")  # the first token of sample 4: micro-batch 2
     cfg = job(tmp_path, tiny_model, per=2, ga=4, spg=4, grpo={"vllm_importance_sampling_correction": True})
-    lr = Learner(cfg, port=free_port(), optimizer=sgd(LR))
+    lr = started(Learner(cfg, port=free_port(), optimizer=sgd(LR)))
     before = lr.trainable_parameters()
     with pytest.raises(FloatingPointError, match="non-finite loss nan at micro-step 2"):
         lr.train(groups)
@@ -187,7 +189,7 @@ def test_non_finite_loss_stops_before_the_weights_move(tmp_path, tiny_model):
 def test_token_id_outside_the_vocabulary_is_named(tmp_path, tiny_model, field):
     groups = make_groups(2, 4, seed=14)
     getattr(groups[1], field)[1] = 512  # the tiny model's vocabulary is 0..511
-    lr = Learner(job(tmp_path, tiny_model, per=4, ga=1, spg=2), port=free_port())
+    lr = started(Learner(job(tmp_path, tiny_model, per=4, ga=1, spg=2), port=free_port()))
     before = lr.trainable_parameters()
     with pytest.raises(ValueError, match=f"group 1 {field} holds token id 512; the model's vocabulary is 0..511"):
         lr.train(groups)
@@ -203,8 +205,8 @@ def test_bf16_learner_follows_the_float32_reference(tmp_path, tiny_model, zero):
 
     groups = make_groups(2, 4, seed=12)
     kw = dict(per=2, ga=4, spg=4, generation={"temperature": 0.9}, grpo={"epsilon_high": 0.28})
-    lr = Learner(job(tmp_path, tiny_model, zero=zero, model={"dtype": "bfloat16"}, **kw), port=free_port(),
-                 optimizer=sgd(LR))
+    lr = started(Learner(job(tmp_path, tiny_model, zero=zero, model={"dtype": "bfloat16"}, **kw), port=free_port(),
+                 optimizer=sgd(LR)))
     before = lr.trainable_parameters()
     lr.train(groups)
     after = lr.trainable_parameters()
@@ -231,7 +233,7 @@ def test_two_ranks_match_one(ray_session, tmp_path, tiny_model, loss_type):
     p2 = g2.trainable_parameters()
     g2.shutdown()
     c1 = job(tmp_path, tiny_model, per=8, ga=1, spg=1, loss_type=loss_type)
-    l1 = Learner(c1, port=free_port(), optimizer=sgd(LR))
+    l1 = started(Learner(c1, port=free_port(), optimizer=sgd(LR)))
     l1.train(groups)
     close(p2, l1.trainable_parameters())
 
@@ -248,7 +250,7 @@ def test_learner_metrics_match_math_functions(tmp_path, tiny_model):
     cfg = job(tmp_path, tiny_model, per=8, ga=1, spg=1, grpo={"vllm_importance_sampling_correction": True,
               "vllm_importance_sampling_cap": 1.5}, generation={"temperature": 0.8})
     assert cfg.tis
-    got = Learner(cfg, port=free_port(), optimizer=sgd(LR)).train(groups)["steps"][0]
+    got = started(Learner(cfg, port=free_port(), optimizer=sgd(LR))).train(groups)["steps"][0]
     torch.manual_seed(cfg.seed)
     model = load_policy(cfg)
     s = Samples.from_groups(groups)

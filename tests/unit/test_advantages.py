@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+
 from tandem.learner.advantages import compute_advantages
 
 

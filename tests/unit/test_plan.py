@@ -3,12 +3,11 @@
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from tandem.services.plan import BatchPlan, table
 
-ROOT = Path(__file__).resolve().parents[1]
+from tandem.core.plan import BatchPlan, table
+from tests.helpers import ROOT
 
 # spec §3 table: (per_device, GA, steps_per_gen, num_gen) -> cycle A batches, optimizer steps after
 SPEC = {

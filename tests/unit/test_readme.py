@@ -1,8 +1,7 @@
 """The README's job file reference is the one the code generates, and every spec parameter is in it."""
 
-from pathlib import Path
-
 from tandem.services.reference import markdown
+from tests.helpers import ROOT
 
 SPEC_NAMES = ["beta", "num_iterations", "epsilon", "epsilon_high", "delta", "importance_sampling_level",
               "reward_weights", "scale_rewards", "loss_type", "mask_truncated_completions",
@@ -13,7 +12,7 @@ SPEC_NAMES = ["beta", "num_iterations", "epsilon", "epsilon_high", "delta", "imp
 
 
 def test_reference_in_readme():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     table = markdown()
     assert table in readme
     for name in SPEC_NAMES:

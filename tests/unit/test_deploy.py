@@ -7,9 +7,10 @@ import re
 import tomllib
 
 import yaml
-from conftest import ROOT
-from tandem.services.config import ClusterConfig
+
+from tandem.core.config import ClusterConfig
 from tandem.services.controller import EXPORTED, series_name
+from tests.helpers import ROOT
 
 DEPLOY = ROOT / "deploy"
 

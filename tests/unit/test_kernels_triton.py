@@ -5,8 +5,10 @@ Inputs are drawn fresh each run (the seed is printed in every failure message)."
 
 import pytest
 import torch
+
 from tandem.kernels import triton_logprobs as tk
-from tandem.learner.loss import aggregate_loss, grpo_token_loss, per_token_loss, tis_weight, token_weights
+from tandem.kernels.logprobs import grpo_token_terms, selective_logprobs_reference
+from tandem.learner.loss import aggregate_loss, per_token_loss, tis_weight, token_weights
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -26,8 +28,7 @@ def rel(a, b):
 
 
 def float64_logprobs(z64, ids, temperature):
-    lsm = torch.log_softmax(z64 / temperature, -1)
-    return lsm.gather(-1, ids[:, None]).squeeze(-1), -(lsm.exp() * lsm).sum(-1)
+    return selective_logprobs_reference(z64, ids, temperature, with_entropy=True)  # float64 in, float64 out
 
 
 SHAPES = [(37, 1, 0.7), (9, 37, 1.3), (5, tk.BLOCK_V + 5, 0.9), (3, 2 * tk.BLOCK_V, 1.0)]
@@ -148,7 +149,7 @@ def test_fused_loss_equals_plain_path_and_float64(seed, loss_type, dtype):
     old = (ref0.view(B, T) + 0.3 * torch.randn(B, T, device=DEV, dtype=torch.float64)).float()
     kw = dict(epsilon=0.2, epsilon_high=0.28, beta=0.05, ref_logp=old - 0.1)
     wts = token_weights(mask, loss_type, max_completion_length=T).reshape(-1)
-    token_loss = grpo_token_loss(old.reshape(-1), adv.repeat_interleave(T), wts, epsilon=0.2, epsilon_high=0.28,
+    token_loss = grpo_token_terms(old.reshape(-1), adv.repeat_interleave(T), wts, epsilon=0.2, epsilon_high=0.28,
                                  beta=0.05, ref_logp=kw["ref_logp"].reshape(-1))
     loss, logp, ent = tk.linear_logprobs_loss_triton(h, w, ids, token_loss, 0.8, chunk, with_entropy=True)
     loss.backward()
@@ -341,7 +342,7 @@ def test_real_size_in_kernel_grpo_loss(seed, epilogue):
 
 def test_in_kernel_on_policy_equals_reference_path(seed):
     """old_logp=None (ratio 1, TRL's single-iteration case) with TIS and KL: the kernel against the
-    PyTorch reference path (kernels.logprobs.linear_logprobs_loss_reference + grpo_token_loss)."""
+    PyTorch reference path (kernels.logprobs.linear_logprobs_loss_reference + grpo_token_terms)."""
     from tandem.kernels.logprobs import linear_logprobs_loss_reference
 
     N, H, V = 29, 16, 90
@@ -353,7 +354,7 @@ def test_in_kernel_on_policy_equals_reference_path(seed):
     loss.backward()
     gh, gw = h.grad, w.grad
     h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    ref_loss, ref_lp, _ = linear_logprobs_loss_reference(h64, w64, ids, grpo_token_loss(None, adv, wt, **kw), 1.2, 8)
+    ref_loss, ref_lp, _ = linear_logprobs_loss_reference(h64, w64, ids, grpo_token_terms(None, adv, wt, **kw), 1.2, 8)
     ref_loss.backward()
     assert abs(loss.item() - ref_loss.item()) <= 1e-5 * max(1, abs(ref_loss.item())), f"seed {seed}"
     assert rel(gh, h64.grad) <= 1e-5 and rel(gw, w64.grad) <= 1e-5, f"seed {seed}"

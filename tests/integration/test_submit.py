@@ -12,7 +12,8 @@ import time
 
 import pytest
 import yaml
-from conftest import ROOT
+
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.integration
 

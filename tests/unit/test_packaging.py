@@ -18,7 +18,7 @@ def test_folder_not_top_level(name, tmp_path):
 
 def test_config_is_light():
     """Configs and wire types import no heavy library (prime-rl's rule)."""
-    code = ("import sys, tandem.services.config, tandem.services.plan, tandem.services.protocol; "
+    code = ("import sys, tandem.core.config, tandem.core.plan, tandem.core.protocol; "
             "print(sorted(m for m in ('torch', 'ray', 'vllm', 'deepspeed', 'transformers') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "[]"

@@ -2,12 +2,13 @@
 
 import numpy as np
 import torch
+
+from tandem.core.protocol import RolloutGroup, pack_completions
 from tandem.learner.advantages import compute_advantages
 from tandem.learner.batch import Samples, collate
 from tandem.learner.logprobs import completion_logprobs
 from tandem.learner.loss import aggregate_loss, per_token_loss
 from tandem.learner.model import load_policy, reference_context
-from tandem.services.protocol import RolloutGroup, pack_completions
 
 
 def make_groups(n, G, seed=0, vocab=500, version=0):
@@ -66,3 +67,9 @@ def reference_step(cfg, groups, lr, iterations=1):
         loss.backward()
         opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def started(learner):
+    """A Learner built in this process and set up (its lifecycle's first step)."""
+    learner.setup()
+    return learner

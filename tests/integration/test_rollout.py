@@ -3,12 +3,13 @@
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, make_job
+
+from tandem.core.protocol import PromptItem, RolloutFailure, RolloutGroup
 from tandem.rollout.engines.base import Sampling
 from tandem.rollout.engines.hf_engine import HFEngine
 from tandem.rollout.prompts import tokenize_prompt
-from tandem.rollout.worker import rollout_actor_class
-from tandem.services.protocol import PromptItem, RolloutFailure, RolloutGroup
+from tandem.rollout.worker import start_rollout_worker
+from tests.helpers import ROOT, make_job
 
 pytestmark = pytest.mark.integration
 REWARD = f"{ROOT}/examples/rewards.py:length_reward"
@@ -21,7 +22,7 @@ def job(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def worker(ray_session, job):
-    w = rollout_actor_class(job).remote(job, 0)
+    w = start_rollout_worker(job, 0)[0]
     yield w
     ray_session.get(w.shutdown.remote())
     ray_session.kill(w)
@@ -112,7 +113,7 @@ def test_reward_error_is_reported_not_zeroed(ray_session, tiny_model, tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f(completions, **kw):\n    raise ValueError('nope')\n")
     job = make_job(tmp_path, tiny_model, [f"{bad}:f"], model={"fast_inference": False})
-    w = rollout_actor_class(job).remote(job, 3)
+    w = start_rollout_worker(job, 3)[0]
     out = ray_session.get(w.generate.remote(items(tiny_model, n=1, start=9), Sampling(n=2, max_tokens=4)))
     assert isinstance(out[0], RolloutFailure) and out[0].index == 9
     assert "bad.py:f" in out[0].message and "row(s) [9]" in out[0].message and "nope" in out[0].message
@@ -123,7 +124,7 @@ def test_full_weight_reload_tied_embeddings(ray_session, tied_model, tmp_path):
     """Changing only the (tied) embedding must change vLLM's lm_head too (CPU re-pack bug):
     after the reload, vLLM's sampler log-probs must be the new model's, not the old one's."""
     job = make_job(tmp_path, tied_model, [REWARD], model={"lora": None})
-    w = rollout_actor_class(job).remote(job, 1)
+    w = start_rollout_worker(job, 1)[0]
     old, new = HFEngine(tied_model), HFEngine(tied_model)
     its = items(tied_model, n=2)
     s = Sampling(n=2, temperature=1.0, max_tokens=10)

@@ -11,6 +11,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def batch_error(per: int, ga: int, spg: int, G: int, nproc: int, mu: int) -> str | None:
+    """Spec §3's two rules, or None: the generation batch holds whole groups, and every cycle
+    holds whole optimizer steps. The message names the fields and proposes values that work."""
+    ebs = spg * nproc * per
+    if ebs % G:
+        near_b = sorted((x for x in range(1, 4 * per + G + 1) if (spg * nproc * x) % G == 0),
+                        key=lambda x: (abs(x - per), x))[:2]
+        near_s = sorted((s for s in range(1, 4 * spg + G + 1) if (s * nproc * per) % G == 0 and (s * mu) % ga == 0),
+                        key=lambda s: (abs(s - spg), s))[:1]
+        return (f"effective_batch_size = steps_per_generation × num_processes × per_device_train_batch_size = "
+                f"{spg} × {nproc} × {per} = {ebs} is not divisible by batch.num_generations = {G}; try "
+                f"batch.per_device_train_batch_size in {near_b} or batch.steps_per_generation in {near_s}")
+    if (spg * mu) % ga:
+        return (f"batch.steps_per_generation × grpo.num_iterations = {spg} × {mu} is not a multiple of "
+                f"batch.gradient_accumulation_steps = {ga}: every generation cycle must hold whole optimizer steps")
+    return None
+
+
 @dataclass(frozen=True)
 class MicroStep:
     index: int  # micro-step within the cycle, 0 .. steps_per_generation·num_iterations − 1
@@ -29,28 +47,22 @@ class BatchPlan:
     num_iterations: int = 1
 
     def __post_init__(self) -> None:
-        if self.effective_batch_size % self.num_generations:
-            raise ValueError(
-                f"effective_batch_size {self.effective_batch_size} not divisible by num_generations "
-                f"{self.num_generations}"
-            )
-        if (self.steps_per_generation * self.num_iterations) % self.gradient_accumulation_steps:
-            raise ValueError("steps_per_generation × num_iterations must be a multiple of gradient_accumulation_steps")
+        err = batch_error(self.per_device_train_batch_size, self.gradient_accumulation_steps,
+                          self.steps_per_generation, self.num_generations, self.num_processes, self.num_iterations)
+        if err:
+            raise ValueError(err)
 
     @classmethod
     def from_config(cls, cfg) -> BatchPlan:
-        return cls.from_sections(cfg.batch, cfg.cluster.num_processes, cfg.grpo.num_iterations)
-
-    @classmethod
-    def from_sections(cls, b, num_processes: int, num_iterations: int) -> BatchPlan:
-        """From a resolved `batch` section (steps_per_generation filled in)."""
+        """From a validated job (its batch section resolved: steps_per_generation filled in)."""
+        b = cfg.batch
         return cls(
             per_device_train_batch_size=b.per_device_train_batch_size,
             gradient_accumulation_steps=b.gradient_accumulation_steps,
             steps_per_generation=b.steps_per_generation,
             num_generations=b.num_generations,
-            num_processes=num_processes,
-            num_iterations=num_iterations,
+            num_processes=cfg.cluster.num_processes,
+            num_iterations=cfg.grpo.num_iterations,
         )
 
     @property

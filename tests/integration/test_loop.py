@@ -7,8 +7,10 @@ import signal
 from collections import Counter
 
 import pytest
-from conftest import ROOT, make_job
+
 from tandem.services.controller import Controller
+from tests.helpers import ROOT, make_job
+from tests.helpers.learner import started
 
 pytestmark = pytest.mark.integration
 REWARD = f"{ROOT}/examples/rewards.py:digits_reward"
@@ -44,7 +46,7 @@ def check_accounting(ctl, n_rows):
 @pytest.mark.parametrize("k", [0, 1])
 def test_end_to_end(ray_session, tmp_path, tiny_model, k):
     cfg = loop_job(tmp_path, tiny_model, k)
-    ctl = Controller(cfg)
+    ctl = started(Controller(cfg))
     U = ctl.plan.unique_prompts
     assert (U, ctl.total_cycles) == (2, 3)
     versions = []
@@ -71,7 +73,7 @@ def test_end_to_end(ray_session, tmp_path, tiny_model, k):
 
 def test_killed_worker_loses_nothing(ray_session, tmp_path, tiny_model):
     cfg = loop_job(tmp_path, tiny_model, 1, batch={"max_steps": 5})
-    ctl = Controller(cfg)
+    ctl = started(Controller(cfg))
     ctl.step()
     victim = ray_session.get(ctl.workers[0].health.remote())["pid"]
     os.kill(victim, signal.SIGKILL)
@@ -86,7 +88,7 @@ def test_killed_worker_loses_nothing(ray_session, tmp_path, tiny_model):
 
 def test_resume_continues_order_and_version(ray_session, tmp_path, tiny_model):
     cfg = loop_job(tmp_path, tiny_model, 0, batch={"max_steps": 4})
-    a = Controller(cfg)
+    a = started(Controller(cfg))
     a.step()
     a.step()
     a.save_checkpoint()
@@ -95,7 +97,7 @@ def test_resume_continues_order_and_version(ray_session, tmp_path, tiny_model):
     straight = Counter((e, i) for e, i, _ in a.seen)
     a.shutdown()
     (tmp_path / "run" / "metrics.jsonl").unlink()
-    b = Controller(cfg)
+    b = started(Controller(cfg))
     assert b.resume() and b.cycle == 2 and b.version == 2
     assert ray_session.get(b.workers[0].health.remote())["version"] == 2
     b.step()
@@ -110,7 +112,7 @@ def test_scale_up_and_down_loses_nothing(ray_session, tmp_path, tiny_model):
     go to the least used worker); back to one, the others stop once their calls have returned; no
     prompt lost or trained twice."""
     cfg = loop_job(tmp_path, tiny_model, 1, batch={"max_steps": 6})
-    ctl = Controller(cfg)
+    ctl = started(Controller(cfg))
     ctl.step()
     with pytest.raises(ValueError, match="scale: num_rollout_workers = 0; allowed a whole number >= 1"):
         ctl.scale(0)
@@ -138,8 +140,9 @@ def test_scale_up_and_down_loses_nothing(ray_session, tmp_path, tiny_model):
 def test_tandem_scale_and_status_reach_the_running_job(ray_session, tmp_path, tiny_model, capsys):
     """The CLI finds a running job's Controller by its run directory (a named actor) on the cluster."""
     import yaml
+
+    from tandem.core.config import JobConfigError
     from tandem.services.cli import main
-    from tandem.services.config import JobConfigError
     from tandem.services.run import start_controller
 
     cfg = loop_job(tmp_path, tiny_model, 0, cluster={"num_rollout_workers": 1}, batch={"max_steps": 2})

@@ -1,0 +1,93 @@
+"""What a valid job needs of the machine it runs on: files that exist, reward functions that import,
+CUDA for float16. Run in the process that uses each (the controller reads the data, the rollout
+worker imports the rewards, the learner needs CUDA), and all at once by `tandem run` on this
+machine and by `tandem check`. Each failure is a JobConfigError naming the field and the value."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from tandem.core.config import JobConfig, JobConfigError
+from tandem.core.loader import load_function
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def model_error(cfg: JobConfig) -> str | None:
+    v = cfg.model.path
+    if not (Path(v) / "config.json").is_file():
+        return f"model.path = {v!r}: no config.json there; give a local model directory"
+    return None
+
+
+def data_error(cfg: JobConfig) -> str | None:
+    v = cfg.data.path
+    p = Path(v)
+    if not p.exists():
+        return f"data.path = {v!r}: no such file or directory"
+    if p.is_file() and p.suffix not in DATA_SUFFIXES:
+        return f"data.path = {v!r}: file type {p.suffix!r} not supported; allowed {' '.join(DATA_SUFFIXES)}"
+    return None
+
+
+def reward_errors(cfg: JobConfig) -> list[str]:
+    out = []
+    for i, spec in enumerate(cfg.rewards):
+        try:
+            load_function(spec)
+        except Exception as e:  # noqa: BLE001 - the message is the point
+            out.append(f"rewards[{i}] = {spec!r}: {e}")
+    return out
+
+
+def device_error(cfg: JobConfig) -> str | None:
+    """float16 trains only with CUDA (DeepSpeed's loss scaling); asked where the learner runs."""
+    if cfg.model.dtype != "float16":
+        return None
+    if importlib.util.find_spec("torch") is not None:
+        import torch  # only reached when someone asks for float16
+
+        if torch.cuda.is_available():
+            return None
+    return "model.dtype = 'float16': needs CUDA (DeepSpeed refuses fp16 on CPU); use 'bfloat16' or 'float32'"
+
+
+def raise_if(errors: list[str | None]) -> None:
+    found = [e for e in errors if e]
+    if found:
+        raise JobConfigError("invalid job: " + "; ".join(found))
+
+
+def check_inputs(cfg: JobConfig) -> None:
+    """Model, data and reward functions, as this machine sees them."""
+    raise_if([model_error(cfg), data_error(cfg), *reward_errors(cfg)])
+
+
+def check_learner_device(cfg: JobConfig) -> None:
+    raise_if([device_error(cfg)])
+
+
+def write_shared_probe(output_dir: str) -> str:
+    """A file under output_dir that every learner rank must read back: checkpoints are written by the
+    learner and read by the controller, so the run directory must be one filesystem seen from every
+    node at the same path (README: running on a cluster). -> its path."""
+    import uuid
+
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    p = Path(output_dir).resolve() / f".tandem-probe-{uuid.uuid4().hex[:12]}"
+    p.write_text(p.name)
+    return str(p)
+
+
+def check_shared_dir(output_dir: str, probe: str | None, who: str) -> None:
+    if probe is None:
+        return
+    p = Path(probe)
+    if not (p.is_file() and p.read_text() == p.name):
+        import socket
+
+        raise JobConfigError(
+            f"logging.output_dir = {output_dir!r}: {who} on {socket.gethostname()} cannot read {probe}, which "
+            "the controller wrote there; allowed: a directory on a filesystem every node mounts at the same path "
+            "(NFS, a shared volume)")

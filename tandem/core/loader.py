@@ -1,0 +1,42 @@
+"""User functions named in a job file: `package.module:function` or `path/to/file.py:function`.
+
+Importing one runs user code, so this is called where the function runs (the rollout worker) and by
+`tandem check`, never by schema validation."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+
+def load_function(spec: str):
+    """`package.module:function` or `path/to/file.py:function` -> the callable."""
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError("expected 'module:function' or 'path/to/file.py:function'")
+    target, name = spec.rsplit(":", 1)
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise ValueError(f"file {target!r} not found")
+        mod_name = f"tandem_user_{path.stem}_{abs(hash(str(path.resolve())))}"
+        mod = sys.modules.get(mod_name)
+        if mod is None:
+            s = importlib.util.spec_from_file_location(mod_name, path)
+            mod = importlib.util.module_from_spec(s)
+            sys.modules[mod_name] = mod
+            try:
+                s.loader.exec_module(mod)
+            except Exception as e:
+                del sys.modules[mod_name]
+                raise ValueError(f"importing {target!r} failed: {type(e).__name__}: {e}") from None
+    else:
+        try:
+            mod = importlib.import_module(target)
+        except Exception as e:
+            raise ValueError(f"cannot import module {target!r}: {type(e).__name__}: {e}") from None
+    fn = getattr(mod, name, None)
+    if fn is None or not callable(fn):
+        raise ValueError(f"{target!r} has no function {name!r}")
+    return fn

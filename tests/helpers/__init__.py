@@ -1,0 +1,25 @@
+"""Helpers shared by the unit and integration tests (a package: no sys.path edits)."""
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def make_job(tmp_path, model_path, rewards, **sections):
+    """A validated JobConfig for integration tests (data file written beside it)."""
+    from tandem.core.config import JobConfig
+
+    data = tmp_path / "data.jsonl"
+    if not data.exists():
+        data.write_text("".join(json.dumps({"prompt": f"{a} + {a}", "answer": 2 * a}) + "\n" for a in range(16)))
+    d = {"model": {"path": model_path, "dtype": "float32", "lora": {"r": 8, "lora_alpha": 16}},
+         "data": {"path": str(data)}, "rewards": rewards,
+         "generation": {"max_prompt_length": 64, "max_completion_length": 16},
+         "batch": {"num_generations": 4, "per_device_train_batch_size": 4}}
+    for k, v in sections.items():
+        if isinstance(v, dict):
+            d.setdefault(k, {}).update(v)
+        else:
+            d[k] = v
+    return JobConfig.from_dict(d)
