@@ -240,11 +240,24 @@ class Learner:
                 "grad_norm": grad_norm if grad_norm is not None else float(self.engine.get_global_grad_norm() or 0.0)})
         self.version += 1
         batch_stats = rollout_stats(s, plan.num_generations, g.reward_weights, self.version - 1)
+        train_s = time.time() - t0
+        tokens = sum(int(mb["attention_mask"].sum()) for mb in mbs) * plan.num_iterations  # this rank's
+        batch_stats.update(self._throughput(tokens, train_s))
         for sm in step_metrics:
             sm.update(batch_stats)
             sm["version"] = self.version
-            sm["train_s"] = time.time() - t0
+            sm["train_s"] = train_s
         return {"version": self.version, "steps": step_metrics}
+
+    def _throughput(self, tokens: int, seconds: float) -> dict:
+        """learner/tokens_per_s: prompt + completion tokens through this rank's training passes per second;
+        learner/mfu: 6·N·tokens/s over the GPU's dense bf16 peak (N all parameters, nanoGPT's convention;
+        the old-log-prob forward not counted), None where the peak is not known (CPU)."""
+        n = getattr(self, "_n_params", None) or sum(p.numel() for p in self.model.parameters())
+        self._n_params = n
+        rate = tokens / max(seconds, 1e-9)
+        peak = _peak_flops(self.device)
+        return {"learner/tokens_per_s": rate, "learner/mfu": (6 * n * rate / peak) if peak else None}
 
     def _reduce(self, acc: dict, loss_sum: float) -> dict:
         """Token-weighted means over micro-steps and ranks; min/max reduced as such."""
@@ -335,6 +348,16 @@ class Learner:
             import torch.distributed as dist
 
             dist.barrier()
+
+
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12}
+
+
+def _peak_flops(device) -> float | None:
+    if getattr(device, "type", str(device)) != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
 
 
 def _resolve(groups: list) -> list:

@@ -15,7 +15,7 @@ CHATML = (
 )
 
 
-def _corpus() -> list[str]:
+def _corpus(vocab: int = 512) -> list[str]:
     words = ("the a an of to and in is it you that he was for on are with as I his they be at one have this "
              "from or had by hot word but what some we can out other were all there when up use your how said "
              "answer question sum add sort list count length yes no true false user assistant system").split()
@@ -23,6 +23,13 @@ def _corpus() -> list[str]:
     lines += [f"{a} + {b} = {a + b}" for a in range(0, 100, 7) for b in range(0, 100, 11)]
     lines += [" ".join(string.ascii_lowercase[i:i + 5]) for i in range(22)]
     lines += [string.ascii_letters + string.digits + string.punctuation]
+    if vocab > 4096:  # a real model's vocabulary size: enough distinct random words for that many merges
+        import random
+
+        rng = random.Random(0)
+        letters = string.ascii_lowercase
+        words = ["".join(rng.choice(letters) for _ in range(rng.randint(3, 9))) for _ in range(vocab * 3)]
+        lines += [" ".join(words[i:i + 16]) for i in range(0, len(words), 16)]
     return lines * 4
 
 
@@ -36,7 +43,7 @@ def build_tokenizer(vocab: int = 512):
     specials = [PAD, IM_START, EOS]
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_corpus(), trainer)
+    tok.train_from_iterator(_corpus(vocab), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD,
                                    additional_special_tokens=[IM_START])
     fast.chat_template = CHATML
@@ -45,7 +52,8 @@ def build_tokenizer(vocab: int = 512):
 
 def build_tiny_model(out_dir: str | Path, *, layers: int = 2, hidden: int = 64, vocab: int = 512, heads: int = 2,
                      kv_heads: int = 1, seed: int = 0, tie_word_embeddings: bool = False,
-                     max_position_embeddings: int = 1024, dtype: str = "float32") -> Path:
+                     max_position_embeddings: int = 1024, dtype: str = "float32",
+                     intermediate: int | None = None) -> Path:
     """Random-init Qwen2ForCausalLM + byte-level BPE tokenizer (ChatML) in `out_dir`, in seconds."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -54,7 +62,7 @@ def build_tiny_model(out_dir: str | Path, *, layers: int = 2, hidden: int = 64, 
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(vocab)
     cfg = Qwen2Config(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate or hidden * 2, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         bos_token_id=None, rope_theta=10000.0, torch_dtype=dtype,

@@ -1,11 +1,23 @@
-"""RolloutWorker: a Ray actor holding one engine. It samples all `num_generations` completions
-of each prompt in one engine call, scores them, and returns one RolloutGroup per prompt (or a
-RolloutFailure naming the function and row: reported, never dropped)."""
+"""RolloutWorker: a Ray actor holding one engine that it keeps full.
+
+One thread (the engine loop) owns the engine: between engine steps it adds the prompts that have
+arrived and loads newly published adapters, so requests enter as prompts arrive and publishing never
+waits for generation. Every other call runs in the actor's thread pool (a threaded actor):
+`rollout(item)` queues one prompt and returns its scored group the moment its `num_generations`
+completions are done; `set_adapter` returns once the engine serves the new version. A request runs
+to the end on the adapter version it started with, and its group records that version.
+
+An engine without step-wise requests (transformers generate) is driven by the same loop, one batch
+of the prompts that have arrived at a time.
+"""
 
 from __future__ import annotations
 
 import os
+import queue
+import threading
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -23,110 +35,283 @@ def build_engine(cfg, seed: int):
 
         return VLLMEngine(m.path, dtype=m.dtype, lora=m.lora, seed=seed,
                           max_model_len=cfg.generation.max_prompt_length + cfg.generation.max_completion_length,
-                          max_loras=cfg.cluster.max_staleness + 1)
+                          max_loras=cfg.cluster.max_staleness + 2, enforce_eager=cfg.cluster.vllm_enforce_eager,
+                          gpu_memory_utilization=cfg.cluster.vllm_gpu_memory_utilization,
+                          max_num_seqs=cfg.cluster.vllm_max_num_seqs)
     from tandem.rollout.engines.hf_engine import HFEngine
 
     return HFEngine(m.path, dtype=m.dtype, lora=m.lora, seed=seed)
 
 
+class _Request:
+    """A prompt between its arrival and its completions: the calling thread waits on `done`."""
+
+    __slots__ = ("ids", "sampling", "version", "result", "error", "done", "submitted")
+
+    def __init__(self, ids: np.ndarray, sampling: Sampling):
+        self.ids, self.sampling = ids, sampling
+        self.version, self.result, self.error = 0, None, None
+        self.done = threading.Event()
+        self.submitted = 0.0
+
+
 class RolloutWorker:
-    """Lifecycle: `RolloutWorker(cfg, id)` stores; `setup()` imports the reward functions and starts the
-    engine; then `set_adapter` / `generate` calls; `shutdown()` closes the engine."""
+    """Lifecycle: `RolloutWorker(cfg, id)` stores; `setup()` imports the reward functions, starts the
+    engine and its loop; then `rollout` / `generate` / `set_adapter` calls, any number at once;
+    `shutdown()` stops the loop and closes the engine."""
 
     def __init__(self, cfg, worker_id: int = 0):
         self.cfg, self.worker_id = cfg, worker_id
         self.sampling = Sampling.from_config(cfg)
-        self.version = 0  # policy version served: 0 = the base model, v = the v-th published adapter
-        self._stats = {"groups": 0, "failures": 0, "tokens": 0, "generate_s": 0.0, "score_s": 0.0}
+        self.version = 0  # newest policy version served: 0 = the base model, v = the v-th published adapter
+        self._ready = threading.Event()
+        self._setup_error: BaseException | None = None
+        self._inbox: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # stats
+        self._stats = Counter(groups=0, failures=0, tokens=0, requests=0)
+        self._times = {"generate_s": 0.0, "score_s": 0.0, "busy_s": 0.0, "engine_start_s": 0.0}
+        self._started_at = time.time()
+
+    # ------------------------------------------------------------------------------ lifecycle
 
     def setup(self) -> dict:
         from transformers import AutoTokenizer
 
         from tandem.core.checks import raise_if, reward_errors
 
-        raise_if(reward_errors(self.cfg))  # one line naming the function, before the engine starts
-        self.rewards = RewardFunctions(self.cfg.rewards)
-        self.tok = AutoTokenizer.from_pretrained(self.cfg.model.path)
-        self.engine = build_engine(self.cfg, seed=self.cfg.seed + 1000 * self.worker_id)
+        try:
+            raise_if(reward_errors(self.cfg))  # one line naming the function, before the engine starts
+            self.rewards = RewardFunctions(self.cfg.rewards)
+            self.tok = AutoTokenizer.from_pretrained(self.cfg.model.path)
+            t0 = time.time()
+            self.engine = build_engine(self.cfg, seed=self.cfg.seed + 1000 * self.worker_id)
+            self._times["engine_start_s"] = time.time() - t0
+            print(f"RolloutWorker {self.worker_id}: {type(self.engine).__name__} started in "
+                  f"{self._times['engine_start_s']:.1f} s", flush=True)
+        except BaseException as e:
+            self._setup_error = e
+            self._ready.set()
+            raise
+        self._streams = hasattr(self.engine, "add")
+        self._inuse: Counter = Counter()  # adapter version -> requests running on it
+        self._loop_thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._loop_thread.start()
+        self._started_at = time.time()
+        self._ready.set()
         return self.health()
 
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        if getattr(self, "_loop_thread", None) is not None:
+            self._loop_thread.join(timeout=30)
+        if getattr(self, "engine", None) is not None:
+            self.engine.close()
+
+    def _await_ready(self) -> None:
+        self._ready.wait()  # a threaded actor may run a call before setup has finished
+        if self._setup_error is not None:
+            raise RuntimeError(f"RolloutWorker {self.worker_id}: setup failed: {self._setup_error}")
+
+    # --------------------------------------------------------------------------- engine loop
+
+    def _loop(self) -> None:
+        running: dict[int, _Request] = {}
+        next_key = 0
+        while not self._stop.is_set():
+            busy = bool(running)
+            try:  # block only when the engine has nothing to do
+                first = self._inbox.get(block=not busy, timeout=None if not busy else 0)
+            except queue.Empty:
+                first = None
+            cmds = [first] if first is not None else []
+            while True:
+                try:
+                    cmds.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            batch = []
+            for cmd in cmds:
+                if cmd is None:
+                    continue
+                if cmd[0] == "adapter":
+                    self._load(*cmd[1:])  # never raises: the caller of set_adapter hears of a failure
+                elif self._streams:
+                    req = cmd[1]
+                    self._start(next_key, req)
+                    running[next_key] = req
+                    next_key += 1
+                else:
+                    batch.append(cmd[1])
+            t0 = time.time()
+            try:
+                if batch:
+                    self._generate_batch(batch)
+                elif running:
+                    for key, comps in self.engine.step():
+                        self._finish(running.pop(key), comps)
+            except BaseException as e:  # the engine broke: every waiting call hears it
+                for req in list(running.values()) + batch:
+                    req.error = e
+                    req.done.set()
+                running.clear()
+            if batch or running or busy:
+                with self._lock:
+                    self._times["busy_s"] += time.time() - t0
+
+    def _adapter_for(self, version: int):
+        return version if (version > 0 and self.cfg.model.lora is not None) else None
+
+    def _start(self, key: int, req: _Request) -> None:
+        req.version, req.submitted = self.version, time.time()
+        self._inuse[req.version] += 1
+        self.engine.add(key, req.ids, req.sampling, adapter=self._adapter_for(req.version))
+
+    def _finish(self, req: _Request, comps) -> None:
+        self._inuse[req.version] -= 1
+        req.result = comps
+        with self._lock:
+            self._times["generate_s"] += time.time() - req.submitted
+        req.done.set()
+
+    def _generate_batch(self, reqs: list[_Request]) -> None:
+        by = {}
+        for r in reqs:
+            by.setdefault(r.sampling, []).append(r)
+        for sampling, group in by.items():
+            t0 = time.time()
+            outs = self.engine.generate([r.ids for r in group], sampling, adapter=self._adapter_for(self.version))
+            for r, comps in zip(group, outs):
+                r.version, r.submitted, r.result = self.version, t0, comps
+                r.done.set()
+            with self._lock:
+                self._times["generate_s"] += time.time() - t0
+
+    def _load(self, version: int, tensors: dict, done: threading.Event, box: dict) -> None:
+        try:
+            if version > self.version:
+                if self.cfg.model.lora is not None:
+                    self.engine.load_adapter(version, tensors)
+                    # versions nobody samples with any more leave the engine (the newest stays)
+                    stale = [v for v in getattr(self.engine, "adapter_versions", []) if v < version and not self._inuse[v]]
+                    if stale and hasattr(self.engine, "drop_adapters"):
+                        self.engine.drop_adapters(stale)
+                else:
+                    self.engine.load_weights(version, tensors)
+                self.version = version
+        except BaseException as e:  # noqa: BLE001 - handed to set_adapter's caller
+            box["error"] = e
+        finally:
+            done.set()
+
+    # ------------------------------------------------------------------------------ calls
+
     def set_adapter(self, version: int, tensors: dict) -> int:
-        """Load a published policy; called between engine calls (the actor runs one call at a time)."""
-        if version <= self.version:
-            return self.version
-        if self.cfg.model.lora is not None:
-            self.engine.load_adapter(version, tensors)
-        else:
-            self.engine.load_weights(version, tensors)
-        self.version = version
-        return version
+        """Serve a published policy: loaded between two engine steps, requests already running finish
+        on the version they started with. Returns once requests submitted from now on use it."""
+        self._await_ready()
+        done, box = threading.Event(), {}
+        self._inbox.put(("adapter", version, tensors, done, box))
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return self.version
+
+    def _sample(self, items: list[PromptItem], sampling: Sampling) -> list[_Request]:
+        reqs = [_Request(it.prompt_ids, sampling) for it in items]
+        for r in reqs:
+            self._inbox.put(("request", r))
+        for r in reqs:
+            r.done.wait()
+            if r.error is not None:
+                raise r.error
+        return reqs
 
     def generate(self, items: list[PromptItem], sampling: Sampling | None = None) -> list[RolloutGroup | RolloutFailure]:
-        """`sampling` overrides the job's sampling parameters (tests, evaluation)."""
+        """The groups of `items`, in order, once all are done. `sampling` overrides the job's sampling
+        parameters (tests, evaluation)."""
+        self._await_ready()
         t0 = time.time()
-        use_adapter = self.version if (self.version > 0 and self.cfg.model.lora is not None) else None
-        outs = self.engine.generate([it.prompt_ids for it in items], sampling or self.sampling, adapter=use_adapter)
-        gen_s = time.time() - t0
-        results: list[RolloutGroup | RolloutFailure] = []
-        for it, comps in zip(items, outs):
-            t1 = time.time()
-            ids = [c.tokens for c in comps]
-            G = len(comps)
-            try:
-                rewards = self.rewards.score(
-                    prompts=[it.prompt] * G,
-                    completions=completion_views(self.tok, it.prompt, ids, self.tok.eos_token_id),
-                    completion_ids=[c.tolist() for c in ids],
-                    columns={k: [v] * G for k, v in it.columns.items()},
-                    rows=[it.index] * G,
-                )
-            except RewardError as e:
+        return [self._group(it, r, t0) for it, r in zip(items, self._sample(items, sampling or self.sampling))]
+
+    def rollout(self, item: PromptItem) -> tuple:
+        """One prompt, for `.options(num_returns=2)`: its small metadata, then the group (or failure),
+        so the controller routes the group's ref as it arrives without fetching the payload."""
+        self._await_ready()
+        t0 = time.time()
+        g = self._group(item, self._sample([item], self.sampling)[0], t0)
+        return group_meta(g), g
+
+    def _group(self, it: PromptItem, req: _Request, t0: float) -> RolloutGroup | RolloutFailure:
+        comps = req.result
+        t1 = time.time()
+        ids = [c.tokens for c in comps]
+        G = len(comps)
+        try:
+            rewards = self.rewards.score(
+                prompts=[it.prompt] * G,
+                completions=completion_views(self.tok, it.prompt, ids, self.tok.eos_token_id),
+                completion_ids=[c.tolist() for c in ids],
+                columns={k: [v] * G for k, v in it.columns.items()},
+                rows=[it.index] * G,
+            )
+        except RewardError as e:
+            with self._lock:
                 self._stats["failures"] += 1
-                results.append(RolloutFailure(it.group_id, it.index, str(e), self.worker_id, retryable=False))
-                continue
-            tokens, offsets = pack_completions(ids)
-            lps, _ = pack_completions([c.logprobs for c in comps])
-            results.append(RolloutGroup(
-                group_id=it.group_id, index=it.index, prompt_ids=it.prompt_ids,
-                tokens=tokens.astype(np.int32), offsets=offsets, sampler_logprobs=lps.astype(np.float32),
-                eos=np.array([c.eos for c in comps], dtype=bool), rewards=rewards, version=self.version,
-                worker=self.worker_id, columns=it.columns,
-                timings={"queue_s": max(t0 - it.queued_at, 0.0) if it.queued_at else 0.0,
-                         "generate_s": gen_s / max(len(items), 1), "score_s": time.time() - t1},
-            ))
+            return RolloutFailure(it.group_id, it.index, str(e), self.worker_id, retryable=False)
+        tokens, offsets = pack_completions(ids)
+        lps, _ = pack_completions([c.logprobs for c in comps])
+        score_s = time.time() - t1
+        with self._lock:
             self._stats["groups"] += 1
             self._stats["tokens"] += int(len(tokens))
-            self._stats["score_s"] += time.time() - t1
-        self._stats["generate_s"] += gen_s
-        return results
-
-    def generate_refs(self, items: list[PromptItem]) -> tuple:
-        """For `.options(num_returns=len(items) + 1)`: small metadata first, then one object per
-        group, so the controller routes group refs without fetching their payload."""
-        results = self.generate(items)
-        return (tuple(group_meta(r) for r in results), *results)
+            self._times["score_s"] += score_s
+        return RolloutGroup(
+            group_id=it.group_id, index=it.index, prompt_ids=it.prompt_ids,
+            tokens=tokens.astype(np.int32), offsets=offsets, sampler_logprobs=lps.astype(np.float32),
+            eos=np.array([c.eos for c in comps], dtype=bool), rewards=rewards, version=req.version,
+            worker=self.worker_id, columns=it.columns,
+            timings={"queue_s": max(t0 - it.queued_at, 0.0) if it.queued_at else 0.0,
+                     "generate_s": t1 - req.submitted, "score_s": score_s},
+        )
 
     def health(self) -> dict:
         return {"worker": self.worker_id, "version": self.version, "pid": os.getpid()}
 
     def stats(self) -> dict:
-        return dict(self._stats, worker=self.worker_id, version=self.version)
-
-    def shutdown(self) -> None:
-        self.engine.close()
+        """Counters since setup; busy_s: wall time with at least one request in the engine."""
+        with self._lock:
+            out = dict(self._stats, **self._times)
+        out["wall_s"] = time.time() - self._started_at
+        out.update(worker=self.worker_id, version=self.version)
+        return out
 
 
 def rollout_actor_class(cfg):
-    """RolloutWorker as a Ray actor asking for the job's rollout resources."""
+    """RolloutWorker as a threaded Ray actor asking for the job's rollout resources: one thread per
+    prompt in flight, plus publishing, health and stats."""
     import ray
 
     r = cfg.cluster.rollout_resources
     return ray.remote(num_cpus=r.num_cpus, num_gpus=r.num_gpus, resources=r.resources or None,
-                      runtime_env={"env_vars": rollout_env_vars(r.num_gpus)}, max_concurrency=1)(RolloutWorker)
+                      runtime_env={"env_vars": rollout_env_vars(r.num_gpus)},
+                      max_concurrency=prompts_in_flight(cfg) + 8)(RolloutWorker)
+
+
+def prompts_in_flight(cfg) -> int:
+    """Prompts the controller keeps in each worker's engine: `cluster.rollout_prompts_in_flight`, or as
+    many groups as fill the engine's batch (max_num_seqs / num_generations), at least one cycle's worth
+    split over the workers."""
+    c = cfg.cluster
+    if c.rollout_prompts_in_flight is not None:
+        return c.rollout_prompts_in_flight
+    seqs = c.vllm_max_num_seqs or (256 if c.rollout_resources.num_gpus > 0 else 128)
+    return max(1, seqs // cfg.batch.num_generations)
 
 
 def start_rollout_worker(cfg, slot: int):
-    """A rollout worker actor with its setup queued (an actor runs its calls in order, so every later
-    call finds the engine started). -> (actor, ref of setup: the worker's health once it serves)"""
+    """A rollout worker actor with its setup started. -> (actor, ref of setup: the worker's health once
+    it serves; every other call waits for it inside the actor)"""
     w = rollout_actor_class(cfg).remote(cfg, slot)
     return w, w.setup.remote()

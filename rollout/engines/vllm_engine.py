@@ -38,7 +38,10 @@ class TandemWorkerExtension:
 
 class VLLMEngine(Engine):
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len: int = 1024, lora=None,
-                 max_loras: int = 2, seed: int = 0, kv_cache_bytes: int = 256 << 20, adapter_dir: str | None = None):
+                 max_loras: int = 2, seed: int = 0, kv_cache_bytes: int = 256 << 20, adapter_dir: str | None = None,
+                 enforce_eager: bool | None = None, gpu_memory_utilization: float = 0.3,
+                 max_num_seqs: int | None = None):
+        """enforce_eager None: eager on CPU, CUDA graphs on GPU (what TRL's colocate mode runs)."""
         import torch
 
         self._set_num_threads = torch.set_num_threads  # vLLM replaces it with a no-op in this process
@@ -47,20 +50,22 @@ class VLLMEngine(Engine):
         from vllm import LLM
 
         self.model_path, self.lora = model_path, lora
-        kw = dict(model=model_path, dtype=dtype, enforce_eager=True, seed=seed, max_model_len=max_model_len,
+        eager = on_cpu if enforce_eager is None else enforce_eager
+        kw = dict(model=model_path, dtype=dtype, enforce_eager=eager, seed=seed, max_model_len=max_model_len,
                   logprobs_mode="processed_logprobs", distributed_executor_backend="uni",
                   worker_extension_cls=f"{__name__}.TandemWorkerExtension")
         if on_cpu:
             kw["kv_cache_memory_bytes"] = kv_cache_bytes
         else:
-            kw["gpu_memory_utilization"] = 0.3
+            kw["gpu_memory_utilization"] = gpu_memory_utilization
+        if max_num_seqs is not None:
+            kw["max_num_seqs"] = max_num_seqs
         if lora is not None:
             kw.update(enable_lora=True, max_lora_rank=max(8, lora.r), max_loras=max_loras)
         self.llm = LLM(**kw)
         self._adapter_root = Path(adapter_dir or tempfile.mkdtemp(prefix="tandem-adapters-",
                                                                   dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
         self._adapters: dict[int, object] = {}  # version -> LoRARequest
-        self._max_loras = max_loras
         self._next_lora_id = 1
         self.weights_version = 0
 
@@ -68,29 +73,45 @@ class VLLMEngine(Engine):
 
     def _params(self, s: Sampling):
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or 0,
                               min_p=s.min_p or 0.0, repetition_penalty=s.repetition_penalty,
-                              max_tokens=s.max_tokens, logprobs=0, seed=s.seed, detokenize=False)
+                              max_tokens=s.max_tokens, logprobs=0, seed=s.seed, detokenize=False,
+                              output_kind=RequestOutputKind.FINAL_ONLY)
+
+    def _lora(self, adapter):
+        if adapter is None:
+            return None
+        if adapter not in self._adapters:
+            raise KeyError(f"VLLMEngine: adapter version {adapter} not loaded (have {sorted(self._adapters)})")
+        return self._adapters[adapter]
+
+    @staticmethod
+    def _completions(out) -> list[Completion]:
+        comps = []
+        for c in out.outputs:
+            ids = np.asarray(c.token_ids, dtype=np.int32)
+            lps = np.asarray([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)], dtype=np.float32)
+            comps.append(Completion(ids, lps, eos=c.finish_reason == "stop"))
+        return comps
+
+    # Step-wise requests (the rollout worker's engine loop): add between steps, take what finished.
+    def add(self, key: int, prompt, sampling: Sampling, adapter=None) -> None:
+        self.llm.llm_engine.add_request(str(key), {"prompt_token_ids": [int(t) for t in prompt]},
+                                        self._params(sampling), lora_request=self._lora(adapter))
+
+    def step(self) -> list[tuple[int, list[Completion]]]:
+        """One engine step. -> (key, completions) of every request (all its n samples) that finished."""
+        return [(int(o.request_id), self._completions(o)) for o in self.llm.llm_engine.step() if o.finished]
+
+    def busy(self) -> bool:
+        return self.llm.llm_engine.has_unfinished_requests()
 
     def generate(self, prompts, sampling, adapter=None):
-        lora_req = None
-        if adapter is not None:
-            if adapter not in self._adapters:
-                raise KeyError(f"VLLMEngine.generate: adapter version {adapter} not loaded "
-                               f"(have {sorted(self._adapters)})")
-            lora_req = self._adapters[adapter]
         outs = self.llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompts],
-                                 self._params(sampling), lora_request=lora_req, use_tqdm=False)
-        result = []
-        for out in outs:
-            comps = []
-            for c in out.outputs:
-                ids = np.asarray(c.token_ids, dtype=np.int32)
-                lps = np.asarray([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)], dtype=np.float32)
-                comps.append(Completion(ids, lps, eos=c.finish_reason == "stop"))
-            result.append(comps)
-        return result
+                                 self._params(sampling), lora_request=self._lora(adapter), use_tqdm=False)
+        return [self._completions(o) for o in outs]
 
     # -------------------------------------------------------------------------------- weights
 
@@ -103,11 +124,17 @@ class VLLMEngine(Engine):
         # A fresh id per version: vLLM silently keeps old weights when an id is reused.
         req = LoRARequest(f"tandem-v{version}", self._next_lora_id, str(path))
         self._next_lora_id += 1
+        # loaded now, between steps, rather than by the first request that names it
+        self.llm.llm_engine.add_lora(req)
         self._adapters[version] = req
-        for old in sorted(self._adapters)[:-self._max_loras]:  # keep max_staleness + 1 versions
-            gone = self._adapters.pop(old)
-            self.llm.llm_engine.remove_lora(gone.lora_int_id)
-            shutil.rmtree(self._adapter_root / f"v{old}", ignore_errors=True)
+
+    def drop_adapters(self, versions) -> None:
+        """Versions no request uses any more leave the engine (and their files the disk)."""
+        for old in versions:
+            gone = self._adapters.pop(old, None)
+            if gone is not None:
+                self.llm.llm_engine.remove_lora(gone.lora_int_id)
+                shutil.rmtree(self._adapter_root / f"v{old}", ignore_errors=True)
 
     @property
     def adapter_versions(self) -> list[int]:

@@ -190,6 +190,14 @@ class ClusterConfig(_Section):
     learner_resources: Resources = Field(default_factory=Resources, description="per learner process")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage")
     max_staleness: int = Field(0, ge=0, le=16, description="policy versions a group may lag; 0 = synchronous")
+    rollout_prompts_in_flight: int | None = Field(
+        None, ge=1, description="prompts kept in each rollout engine at once; null = vllm_max_num_seqs // num_generations")
+    vllm_enforce_eager: bool | None = Field(
+        None, description="vLLM without CUDA graphs; null = eager on CPU, CUDA graphs on GPU")
+    vllm_gpu_memory_utilization: float = Field(
+        0.3, gt=0, le=1, description="share of the GPU vLLM takes (weights + KV cache); 0.3 leaves room for a learner")
+    vllm_max_num_seqs: int | None = Field(
+        None, ge=1, description="sequences vLLM batches at once; null = vLLM's default (256 on GPU, 128 on CPU)")
     address: str | None = Field(None, description="Ray address `tandem run` joins when --address is not given; "
                                 "null = embedded Ray")
 

@@ -17,8 +17,9 @@ class PromptItem:
     index: int  # dataset row
     prompt_ids: np.ndarray  # int32 [P], chat template already applied
     prompt: Any  # the prompt as the data has it (text or chat messages), for reward functions
-    columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns
+    columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns (what rewards see)
     queued_at: float = 0.0  # time.time() when handed out
+    epoch: int = 0  # the pass over the dataset it belongs to (controller bookkeeping, not a column)
 
 
 @dataclass

@@ -31,6 +31,7 @@ KNOWN.update({
     "use_vllm": ("model", "fast_inference"),
     "gradient_checkpointing": ("model", "gradient_checkpointing"),
     "seed": ("", "seed"),
+    "vllm_gpu_memory_utilization": ("cluster", "vllm_gpu_memory_utilization"),
 })
 
 # Names that change training; accepted only at the value that leaves training unchanged.
@@ -62,7 +63,7 @@ COSMETIC = {
     "log_completions", "num_completions_to_print", "wandb_log_unique_prompts", "dataloader_num_workers",
     "dataloader_pin_memory", "remove_unused_columns", "overwrite_output_dir", "save_strategy",
     "eval_strategy", "evaluation_strategy", "per_device_eval_batch_size", "do_eval", "do_train",
-    "eval_steps", "vllm_mode", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
+    "eval_steps", "vllm_mode", "vllm_tensor_parallel_size",
     "vllm_server_host", "vllm_server_port", "vllm_server_base_url", "vllm_server_timeout",
     "ds3_gather_for_generation", "include_tokens_per_second", "save_only_model", "save_safetensors",
     "torch_compile", "unsloth_num_chunks", "bf16_full_eval", "fp16_full_eval", "log_on_each_node",

@@ -29,9 +29,9 @@ def loop_job(tmp_path, model, k, **extra):
 
 def pending(ctl):
     """Dataset prompts handed out or queued but not trained."""
-    p = [tuple(x) for x in ctl.cursor.requeued]
-    p += [(it.index, it.columns["_epoch"]) for _, items, _ in ctl.inflight.values() for it in items]
-    p += [(m["index"], m["epoch"]) for m, _ in ctl.ready]
+    p = [tuple(x) for x in ctl.source.requeued]
+    p += [(it.index, it.epoch) for it in ctl.pool.pending_items()]
+    p += ctl.buffer.pending()
     return [(i, e) for i, e in p]
 
 
@@ -39,7 +39,7 @@ def check_accounting(ctl, n_rows):
     trained = [(e, i) for e, i, _ in ctl.seen]
     assert len(trained) == len(set(trained)), "a prompt was trained on twice in one epoch"
     handed_epoch0 = {i for e, i in trained if e == 0} | {i for i, e in pending(ctl) if e == 0}
-    if ctl.cursor.epoch > 0 or ctl.cursor.pos == n_rows:
+    if ctl.source.epoch > 0 or ctl.source.pos == n_rows:
         assert handed_epoch0 == set(range(n_rows)), "a prompt of epoch 0 was lost"
 
 
@@ -117,8 +117,8 @@ def test_scale_up_and_down_loses_nothing(ray_session, tmp_path, tiny_model):
     with pytest.raises(ValueError, match="scale: num_rollout_workers = 0; allowed a whole number >= 1"):
         ctl.scale(0)
     assert ctl.scale(3)["target_workers"] == 3
-    ctl._apply_scale()
-    ray_session.get(list(ctl.starting.values()))  # wait for it to start, so the next cycle uses it
+    ctl.pool.apply_scale()
+    ray_session.get([s.ready for s in ctl.pool.slots if s.ready is not None])  # started: the next cycle uses it
     for _ in range(2):
         ctl.step()
     assert len(ctl.workers) == 3 and ctl.counters["workers_added"] == 1

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# One device call of the end-to-end GPU benchmark: bash bench/device/e2e.sh CANDIDATES [e2e.py options]
+# (after ../shared/device/gpu-wheels.sh's parts are installed on the machine). Results land in $OUT/e2e/.
+cd "$(dirname "$0")/../.."
+for d in services learner rollout kernels; do ln -sfn ../$d tandem/$d; done  # tandem.* from this tree
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false RAY_DEDUP_LOGS=0
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 bench/e2e_gpu.py --candidates "$1" --out "$OUT/e2e" --dir /tmp/tandem-e2e "${@:2}" > "$OUT/log-$1.txt" 2>&1
+rc=$?
+grep -v "it/s\]" "$OUT/log-$1.txt" | tail -c 9000
+exit $rc

@@ -1,0 +1,385 @@
+"""End-to-end GRPO, side by side: Tandem (`tandem run`'s own controller, embedded Ray), the engine alone
+(the rollout ceiling) and TRL's GRPOTrainer as its users run it, on one workload. The entry points
+`e2e_gpu.py` / `e2e_cpu.py` fix the workload; this module builds it and runs one candidate per process:
+
+  python3 bench/e2e.py run CANDIDATE --workload gpu|cpu --dir WORK --json OUT.json [--rollout-gpus ...]
+  python3 bench/e2e.py table OUT_DIR --workload gpu|cpu   # the table from the candidates' JSON files
+
+Every candidate samples the same prompts with the same model, LoRA, reward, batch and sampling. A
+measured step is an optimizer step after the warm-up ones. GPU busy fraction and peak memory are
+sampled from nvidia-smi every 0.2 s (the whole GPU: every process on it); on CPU the memory is the
+PSS of the process tree (psutil), the driver, Ray's processes and its workers included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+T0 = time.time()  # launch: "launch to first step" counts from here
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # tandem from this checkout; e2e_reward for TRL
+REWARD = f"{ROOT}/bench/e2e_reward.py:ids_reward"
+
+WORKLOADS = {
+    # Qwen2.5-0.5B's shape with its 151,936-id vocabulary (random init, local tokenizer), bf16
+    "gpu": dict(model=dict(layers=24, hidden=896, heads=14, kv_heads=2, intermediate=4864, vocab=151936, tie=True,
+                           dtype="bfloat16"),
+                lora=dict(r=16, lora_alpha=32), prompts=32, num_generations=8, max_tokens=256, per_device=32,
+                ga=8, steps=20, warmup=2, lr=1e-5),
+    # the tiny Qwen2 of the CPU comparison: 2 layers, hidden 128, fp32, LoRA r=8 on attention
+    "cpu": dict(model=dict(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=512, tie=False,
+                           dtype="float32"),
+                lora=dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+                prompts=1, num_generations=8, max_tokens=48, per_device=8, ga=1, steps=20, warmup=2, lr=1e-4),
+}
+KEYS = ("s_per_step", "gen_s_per_step", "train_s_per_step", "completions_per_s", "gen_tokens_per_s",
+        "gpu_busy_frac", "peak_gpu_gib", "publish_latency_s")
+
+
+# ------------------------------------------------------------------------------------ workload
+
+
+def prepare(work: Path, wl: dict) -> dict:
+    """Model, tokenizer and prompts under `work` (built once, reused by every candidate)."""
+    from tandem.rollout.tiny_model import build_tiny_model
+
+    work.mkdir(parents=True, exist_ok=True)
+    m = wl["model"]
+    model = work / "model"
+    if not (model / "config.json").is_file():
+        build_tiny_model(model, layers=m["layers"], hidden=m["hidden"], heads=m["heads"], kv_heads=m["kv_heads"],
+                         intermediate=m["intermediate"], vocab=m["vocab"], tie_word_embeddings=m["tie"],
+                         dtype=m["dtype"], seed=0, max_position_embeddings=2048)
+    data = work / "prompts.jsonl"
+    n = wl["prompts"] * (wl["steps"] + wl["warmup"] + 2)
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"write a number {i}"}]}) + "\n"
+                            for i in range(n)))
+    return {"model": str(model), "data": str(data)}
+
+
+def gpu_sampler():
+    """(stop() -> {busy_frac, peak_gib}) from nvidia-smi every 0.2 s, or None without one."""
+    try:
+        p = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits",
+                              "-lms", "200"], stdout=subprocess.PIPE, text=True)
+    except FileNotFoundError:
+        return None
+    util, mem = [], []
+
+    def read():
+        for line in p.stdout:
+            try:
+                u, m = (float(x) for x in line.split(",")[:2])
+            except ValueError:
+                continue
+            util.append(u)
+            mem.append(m)
+    threading.Thread(target=read, daemon=True).start()
+
+    def stop():
+        p.terminate()
+        return {"gpu_busy_frac": (sum(u > 0 for u in util) / len(util)) if util else None,
+                "gpu_util_mean": (sum(util) / len(util) / 100) if util else None,
+                "peak_gpu_gib": (max(mem) / 1024) if mem else None}
+    return stop
+
+
+def tree_pss_gb() -> float:
+    import psutil
+
+    total = 0
+    procs = [psutil.Process()] + psutil.Process().children(recursive=True)
+    for pr in procs:
+        try:
+            total += pr.memory_full_info().pss
+        except (psutil.Error, AttributeError):
+            pass
+    return total / 1e9
+
+
+class PeakPSS:
+    def __init__(self):
+        self.peak, self._stop = 0.0, threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, tree_pss_gb())
+            time.sleep(0.5)
+
+    def stop(self) -> float:
+        self._stop.set()
+        return self.peak
+
+
+def cpu_busy_sampler():
+    import psutil
+
+    psutil.cpu_percent(percpu=True)
+    return lambda: psutil.cpu_percent(percpu=True)
+
+
+# ---------------------------------------------------------------------------------- candidates
+
+
+def run_tandem(paths, wl, k, args) -> dict:
+    from tandem.core.config import JobConfig
+    from tandem.services.run import start_controller, start_ray
+
+    gpu = args.workload == "gpu"
+    res = lambda g: {"num_cpus": 1, "num_gpus": g}
+    cfg = JobConfig.from_dict({
+        "model": {"path": paths["model"], "dtype": wl["model"]["dtype"], "lora": wl["lora"]},
+        "data": {"path": paths["data"]}, "rewards": [REWARD],
+        "generation": {"temperature": 1.0, "max_prompt_length": 64, "max_completion_length": wl["max_tokens"]},
+        "batch": {"per_device_train_batch_size": wl["per_device"], "gradient_accumulation_steps": wl["ga"],
+                  "num_generations": wl["num_generations"], "max_steps": wl["steps"] + wl["warmup"]},
+        "grpo": {"loss_type": "dapo", "beta": 0.0},
+        "optimizer": {"learning_rate": wl["lr"], "lr_scheduler_type": "constant"},
+        "cluster": {"num_rollout_workers": 1, "max_staleness": k,
+                    "rollout_resources": res(args.rollout_gpus if gpu else 0),
+                    "learner_resources": res(args.learner_gpus if gpu else 0),
+                    "vllm_gpu_memory_utilization": args.vllm_memory},
+        "logging": {"output_dir": str(Path(args.dir) / f"run-k{k}"), "progress": False},
+    })
+    import shutil
+
+    shutil.rmtree(cfg.logging.output_dir, ignore_errors=True)
+    ray = start_ray(None, cfg)
+    pss = PeakPSS() if not gpu else None
+    ctl = start_controller(ray, cfg)
+    rows, first_step_s, stop, cpu = [], None, None, None
+    for i in range(wl["warmup"] + wl["steps"]):
+        if i == wl["warmup"]:
+            stop, cpu, t_meas = gpu_sampler(), cpu_busy_sampler(), time.time()
+        r = ray.get(ctl.step.remote())
+        first_step_s = first_step_s or time.time() - T0
+        if i >= wl["warmup"]:
+            rows += r["steps"]
+    wall = time.time() - t_meas
+    cores = cpu()
+    gpu_stats = stop() if stop else {}
+    ray.get(ctl.shutdown.remote())
+    ray.kill(ctl)
+    ray.shutdown()
+    def med(key):
+        vals = [s[key] for s in rows if s.get(key) is not None]
+        return statistics.median(vals) if vals else None
+    per_step = wall / len(rows)
+    out = {
+        "s_per_step": per_step,
+        "gen_s_per_step": med("rollout_busy_s"), "train_s_per_step": med("train_s"),
+        "completions_per_s": wl["prompts"] * wl["num_generations"] * len(rows) / wall,
+        "gen_tokens_per_s": med("rollout/gen_tokens_per_s"),
+        "publish_latency_s": med("publish_latency_s"), "generate_wait_s": med("generate_wait_s"),
+        "rollout_busy_frac": med("rollout/busy_frac"), "learner_mfu": med("learner/mfu"),
+        "learner_tokens_per_s": med("learner/tokens_per_s"), "launch_to_first_step_s": first_step_s,
+        "cores_busy": sum(c > 50 for c in cores), "reward_first": rows[0]["reward"], "reward_last": rows[-1]["reward"],
+    }
+    out.update({k2: v for k2, v in gpu_stats.items()})
+    if pss is not None:
+        out["pss_gb"] = pss.stop()
+    return out
+
+
+def random_adapter(model_path: str, lora: dict, out: Path) -> Path:
+    """A random peft adapter on the workload's model (what a trained one costs the engine)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    targets = lora.get("target_modules") or ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                              "down_proj"]
+    pm = get_peft_model(m, LoraConfig(r=lora["r"], lora_alpha=lora["lora_alpha"], target_modules=targets))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    pm.save_pretrained(out)
+    return out
+
+
+def run_vllm(paths, wl, args) -> dict:
+    """The engine alone with the same settings Tandem's worker uses, generating the same batches."""
+    from tandem.core.compat import before_vllm_import
+    before_vllm_import()
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    gpu = args.workload == "gpu"
+    kw = dict(model=paths["model"], dtype=wl["model"]["dtype"], enforce_eager=not gpu, seed=0, max_model_len=64 + wl["max_tokens"],
+              logprobs_mode="processed_logprobs", distributed_executor_backend="uni", enable_lora=True,
+              max_lora_rank=max(8, wl["lora"]["r"]), max_loras=2)
+    kw.update({"gpu_memory_utilization": args.vllm_memory} if gpu else {"kv_cache_memory_bytes": 256 << 20})
+    llm = LLM(**kw)
+    lora = LoRARequest("bench", 1, str(random_adapter(paths["model"], wl["lora"], Path(args.dir) / "adapter")))
+    tok = AutoTokenizer.from_pretrained(paths["model"])
+    rows = [json.loads(x) for x in Path(paths["data"]).read_text().splitlines()]
+    prompts = [{"prompt_token_ids": tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)}
+               for r in rows]
+    prompts = [p if isinstance(p["prompt_token_ids"], list) else {"prompt_token_ids": p["prompt_token_ids"]["input_ids"]}
+               for p in prompts]
+    sp = SamplingParams(n=wl["num_generations"], temperature=1.0, max_tokens=wl["max_tokens"], logprobs=0,
+                        detokenize=False)
+    P = wl["prompts"]
+    times, toks, stop = [], [], None
+    for i in range(wl["warmup"] + wl["steps"]):
+        if i == wl["warmup"]:
+            stop = gpu_sampler()
+        t = time.time()
+        outs = llm.generate(prompts[i * P:(i + 1) * P], sp, lora_request=lora, use_tqdm=False)
+        if i >= wl["warmup"]:
+            times.append(time.time() - t)
+            toks.append(sum(len(c.token_ids) for o in outs for c in o.outputs))
+    g = stop() if stop else {}
+    wall = sum(times)
+    return {"s_per_step": wall / len(times), "gen_s_per_step": wall / len(times), "train_s_per_step": None,
+            "completions_per_s": P * wl["num_generations"] * len(times) / wall, "gen_tokens_per_s": sum(toks) / wall,
+            "publish_latency_s": None, **g}
+
+
+def run_trl(paths, wl, args) -> dict:
+    """TRL's GRPOTrainer as its users run it: use_vllm=True, vllm_mode="colocate" on GPU (transformers
+    generate on CPU, its default), its defaults otherwise."""
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(29600 + os.getpid() % 1000)})
+    from datasets import Dataset
+    from e2e_reward import ids_reward
+    from peft import LoraConfig
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    gpu = args.workload == "gpu"
+    rows = [json.loads(x) for x in Path(paths["data"]).read_text().splitlines()]
+    stamps, first = [], []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            stamps.append(time.time())
+            if not first:
+                first.append(time.time() - T0)
+
+    n = wl["warmup"] + wl["steps"]
+    conf = dict(output_dir=str(Path(args.dir) / "trl"), per_device_train_batch_size=wl["per_device"],
+                gradient_accumulation_steps=wl["ga"], num_generations=wl["num_generations"],
+                max_completion_length=wl["max_tokens"], max_steps=n, learning_rate=wl["lr"],
+                lr_scheduler_type="constant", temperature=1.0, beta=0.0, loss_type="dapo", logging_steps=1,
+                report_to="none", save_strategy="no", seed=42)
+    if gpu:
+        conf.update(bf16=True, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_memory)
+    else:
+        conf.update(use_cpu=True, bf16=False)
+    lora = wl["lora"]
+    peft = LoraConfig(r=lora["r"], lora_alpha=lora["lora_alpha"], target_modules=lora.get("target_modules") or "all-linear",
+                      task_type="CAUSAL_LM")
+    tr = GRPOTrainer(model=paths["model"], reward_funcs=ids_reward, args=GRPOConfig(**conf),
+                     train_dataset=Dataset.from_list(rows), peft_config=peft,
+                     processing_class=AutoTokenizer.from_pretrained(paths["model"]))
+    stop = [None]
+    pss = PeakPSS() if not gpu else None
+
+    class Start(TrainerCallback):
+        def on_step_end(self, state_args, state, *a, **k):
+            if state.global_step == wl["warmup"]:
+                stop[0] = gpu_sampler()
+    tr.add_callback(Clock())
+    tr.add_callback(Start())
+    tr.train()
+    g = stop[0]() if stop[0] else {}
+    meas = stamps[wl["warmup"]:]
+    wall = meas[-1] - stamps[wl["warmup"] - 1]
+    steps = len(meas)
+    logs = [h for h in tr.state.log_history if "loss" in h][wl["warmup"]:]
+    comp_len = statistics.mean(h.get("completions/mean_length", 0) for h in logs) if logs else None
+    C = wl["prompts"] * wl["num_generations"]
+    out = {"s_per_step": wall / steps, "gen_s_per_step": None, "train_s_per_step": None,
+           "completions_per_s": C * steps / wall,
+           "gen_tokens_per_s": (comp_len * C * steps / wall) if comp_len else None, "publish_latency_s": None,
+           "launch_to_first_step_s": first[0] if first else None,
+           "reward_first": logs[0].get("reward") if logs else None, "reward_last": logs[-1].get("reward") if logs else None,
+           **g}
+    if pss is not None:
+        out["pss_gb"] = pss.stop()
+    return out
+
+
+# --------------------------------------------------------------------------------------- table
+
+
+def versions() -> dict:
+    out = {}
+    for name in ("torch", "vllm", "ray", "deepspeed", "trl", "transformers", "peft"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:  # noqa: BLE001 - not installed here
+            pass
+    return out
+
+
+def table(out_dir: Path, names: list[str], ceiling: str | None, peer: str) -> str:
+    c = {n: json.loads((out_dir / f"{n}.json").read_text()) for n in names if (out_dir / f"{n}.json").is_file()}
+    fmt = lambda v, p=2: "—" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
+    lines = ["| candidate | s/step | gen s/step | train s/step | completions/s | × " + peer +
+             " | gen tok/s | × ceiling | GPU busy | peak GPU GiB | publish s |", "|" + " --- |" * 11]
+    for n, r in c.items():
+        x_peer = r["completions_per_s"] / c[peer]["completions_per_s"] if peer in c else None
+        x_ceil = (r["gen_tokens_per_s"] / c[ceiling]["gen_tokens_per_s"]
+                  if ceiling in c and r.get("gen_tokens_per_s") and n != ceiling else None)
+        lines.append(f"| {n} | {fmt(r['s_per_step'])} | {fmt(r.get('gen_s_per_step'))} | "
+                     f"{fmt(r.get('train_s_per_step'))} | {fmt(r['completions_per_s'], 1)} | {fmt(x_peer)} | "
+                     f"{fmt(r.get('gen_tokens_per_s'), 0)} | {fmt(x_ceil)} | {fmt(r.get('gpu_busy_frac'))} | "
+                     f"{fmt(r.get('peak_gpu_gib'), 1)} | {fmt(r.get('publish_latency_s'), 3)} |")
+    return "\n".join(lines), c
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("candidate", choices=["tandem_k0", "tandem_k1", "vllm_ceiling", "trl_colocate", "trl"])
+    r.add_argument("--workload", default="gpu", choices=list(WORKLOADS))
+    r.add_argument("--dir", default="/tmp/tandem-e2e")
+    r.add_argument("--json", required=True)
+    r.add_argument("--rollout-gpus", type=float, default=0.4, help="Ray GPUs of the rollout worker")
+    r.add_argument("--learner-gpus", type=float, default=0.4, help="Ray GPUs of the learner")
+    r.add_argument("--vllm-memory", type=float, default=0.3, help="vllm_gpu_memory_utilization")
+    r.add_argument("--set", action="append", default=[], help="workload key=value (e.g. prompts=8)")
+    t = sub.add_parser("table")
+    t.add_argument("out_dir")
+    t.add_argument("--names", default="tandem_k0,tandem_k1,vllm_ceiling,trl_colocate")
+    t.add_argument("--ceiling", default="vllm_ceiling")
+    t.add_argument("--peer", default="trl_colocate")
+    a = ap.parse_args()
+    if a.cmd == "table":
+        text, c = table(Path(a.out_dir), a.names.split(","), a.ceiling, a.peer)
+        print(text)
+        return
+    wl = dict(WORKLOADS[a.workload])
+    for item in a.set:
+        key, v = item.split("=", 1)
+        wl[key] = json.loads(v)
+    paths = prepare(Path(a.dir), wl)
+    fn = {"tandem_k0": lambda: run_tandem(paths, wl, 0, a), "tandem_k1": lambda: run_tandem(paths, wl, 1, a),
+          "vllm_ceiling": lambda: run_vllm(paths, wl, a), "trl_colocate": lambda: run_trl(paths, wl, a),
+          "trl": lambda: run_trl(paths, wl, a)}[a.candidate]
+    res = fn()
+    res.update(candidate=a.candidate, workload=a.workload, versions=versions(), wl=wl)
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(res, indent=1))
+    print(json.dumps({k: res.get(k) for k in KEYS + ("launch_to_first_step_s", "pss_gb", "rollout_busy_frac",
+                                                       "learner_mfu", "reward_first", "reward_last")}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

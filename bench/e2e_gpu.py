@@ -1,0 +1,30 @@
+"""End-to-end GRPO on one GPU (the GPU rollout issue's benchmark): Tandem max_staleness 0 and 1, the
+vLLM ceiling, TRL's GRPOTrainer in colocate mode; the same model (Qwen2.5-0.5B's shape, vocabulary
+151,936), data, reward, LoRA r=16, 32 prompts x 8 completions x up to 256 tokens per step, 20 steps after
+2 warm-up steps. Each candidate runs in a process of its own (bench/e2e.py), one after the other.
+
+  python3 bench/e2e_gpu.py [--candidates tandem_k0,tandem_k1,vllm_ceiling,trl_colocate] [--out DIR]
+      [--rollout-gpus 0.4 --learner-gpus 0.4 --vllm-memory 0.3]   # placement (two GPUs: 1 / 1 / 0.85)
+  python3 bench/e2e_gpu.py --table-only --out DIR   # the table of what DIR holds
+"""
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--candidates", default="tandem_k0,tandem_k1,vllm_ceiling,trl_colocate")
+    ap.add_argument("--out", default="bench/results/e2e_gpu")
+    ap.add_argument("--workload", default="gpu")
+    ap.add_argument("--table-only", action="store_true")
+    a, rest = ap.parse_known_args()
+    if not a.table_only:
+        for c in a.candidates.split(","):
+            print(f"== {c}", flush=True)
+            subprocess.run([sys.executable, str(HERE / "e2e.py"), "run", c, "--workload", a.workload,
+                            "--json", f"{a.out}/{c}.json", *rest], check=False)
+    subprocess.run([sys.executable, str(HERE / "e2e.py"), "table", a.out], check=True)

@@ -1,0 +1,55 @@
+"""The order prompts are handed out in: a seeded shuffle per epoch (O(1) per prompt: one permutation
+per epoch, not one per call), re-queued prompts first, reward-failure retries counted here."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+
+import numpy as np
+
+MAX_REWARD_RETRIES = 1  # a prompt whose reward function failed is retried once, then recorded as failed
+
+
+class PromptSource:
+    def __init__(self, n: int, seed: int, shuffle: bool = True):
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self.epoch, self.pos = 0, 0
+        self.requeued: deque = deque()  # (dataset index, epoch), handed out before new ones
+        self.retries: Counter = Counter()
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def order(self, epoch: int) -> np.ndarray:
+        if self._order is None or self._order[0] != epoch:
+            perm = np.random.default_rng(self.seed + epoch).permutation(self.n) if self.shuffle else np.arange(self.n)
+            self._order = (epoch, perm)
+        return self._order[1]
+
+    def next(self) -> tuple[int, int]:
+        """(dataset index, epoch it belongs to)."""
+        if self.requeued:
+            return self.requeued.popleft()
+        if self.pos >= self.n:
+            self.epoch, self.pos = self.epoch + 1, 0
+        idx = int(self.order(self.epoch)[self.pos])
+        self.pos += 1
+        return idx, self.epoch
+
+    def requeue(self, index: int, epoch: int, front: bool = False) -> None:
+        (self.requeued.appendleft if front else self.requeued.append)((index, epoch))
+
+    def retry(self, index: int, epoch: int) -> bool:
+        """After a reward failure: re-queued (True) or out of retries (False: record it as failed)."""
+        self.retries[(index, epoch)] += 1
+        if self.retries[(index, epoch)] <= MAX_REWARD_RETRIES:
+            self.requeue(index, epoch)
+            return True
+        return False
+
+    def state(self, pending: list[tuple[int, int]] = ()) -> dict:
+        """`pending`: prompts handed out but not trained: handed out again first on resume."""
+        return {"epoch": self.epoch, "pos": self.pos,
+                "requeued": [list(p) for p in pending] + [list(x) for x in self.requeued]}
+
+    def load(self, st: dict) -> None:
+        self.epoch, self.pos = st["epoch"], st["pos"]
+        self.requeued = deque(tuple(x) for x in st["requeued"])

@@ -1,0 +1,197 @@
+"""The rollout workers of a job: keeps each fed up to its prompts in flight, streams back each group the
+moment it is scored, publishes adapters, scales, and replaces dead workers.
+
+One prompt is one `rollout` call (num_returns=2: metadata, group): the controller owns the returned
+objects, so a group already back survives its worker's death, and a worker's death loses only the
+prompts it held, which come back as `lost` for the caller to re-queue. Knows nothing of the
+controller: it is handed prompts and a counter to count events in."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Slot:
+    actor: object
+    ready: object  # ref of setup (+ adapter) until the worker serves; None once it does
+    in_flight: dict = field(default_factory=dict)  # meta ref -> (item, group ref)
+    handed: int = 0  # prompts handed out so far (dispatch ties go to the least used)
+
+
+class RolloutPool:
+    def __init__(self, start_worker, per_worker: int, counters: Counter):
+        """start_worker(slot) -> (actor, ref that resolves once it serves); per_worker: prompts in flight."""
+        import ray
+
+        self.ray = ray
+        self._start, self.per_worker, self.counters = start_worker, per_worker, counters
+        self.slots: list[Slot] = []
+        self.target = 0
+        self.version, self.adapter_ref = 0, None
+
+    # --------------------------------------------------------------------------------- workers
+
+    def start(self, n: int) -> None:
+        """n workers, waited for (a job does not start without its rollout side)."""
+        self.target = n
+        for i in range(n):
+            self.slots.append(Slot(*self._start(i)))
+        self.ray.get([s.ready for s in self.slots])
+        for s in self.slots:
+            s.ready = None
+
+    @property
+    def workers(self) -> list:
+        return [s.actor for s in self.slots]
+
+    def _new(self, i: int) -> Slot:
+        actor, ready = self._start(i)
+        if self.adapter_ref is not None:  # after setup inside the actor: set_adapter waits for it
+            ready = actor.set_adapter.remote(self.version, self.adapter_ref)
+        return Slot(actor, ready)
+
+    def scale(self, n: int) -> None:
+        """Applied at the next feed: new workers start with the current adapter and get prompts once they
+        serve; surplus ones (the last slots) get no new prompts and stop once theirs have come back."""
+        self.target = n
+
+    def apply_scale(self) -> None:
+        while len(self.slots) < self.target:
+            self.slots.append(self._new(len(self.slots)))
+            self.counters["workers_added"] += 1
+        while len(self.slots) > self.target and not self.slots[-1].in_flight:
+            self._stop(self.slots.pop())
+            self.counters["workers_removed"] += 1
+        for i, s in enumerate(self.slots):
+            if s.ready is not None and self.ray.wait([s.ready], timeout=0)[0]:
+                try:
+                    self.ray.get(s.ready)
+                    s.ready = None
+                except self.ray.exceptions.RayError:
+                    self.counters["worker_failures"] += 1
+                    self._replace(i)
+
+    def _stop(self, s: Slot) -> None:
+        if s.ready is None:  # one still starting has no engine to close
+            try:
+                self.ray.get(s.actor.shutdown.remote(), timeout=30)  # engines first: no shared memory leaks
+            except Exception:  # noqa: BLE001 - a dead worker has nothing left to stop
+                pass
+        self.ray.kill(s.actor)
+
+    def _replace(self, i: int) -> list:
+        """A dead worker's slot gets a new worker (waited for); -> the items it held."""
+        old = self.slots[i]
+        try:
+            self.ray.kill(old.actor)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        lost = [item for item, _ in old.in_flight.values()]
+        new = self._new(i)
+        new.handed = old.handed
+        self.ray.get(new.ready)
+        new.ready = None
+        self.slots[i] = new
+        return lost
+
+    def shutdown(self) -> None:
+        for s in self.slots:
+            self._stop(s)
+        self.slots = []
+
+    # ------------------------------------------------------------------------------ prompts
+
+    def in_flight(self) -> int:
+        return sum(len(s.in_flight) for s in self.slots)
+
+    def pending_items(self) -> list:
+        return [item for s in self.slots for item, _ in s.in_flight.values()]
+
+    def feed(self, next_item, room: int) -> int:
+        """Hand out up to `room` prompts (next_item() gives each), least-loaded serving worker first,
+        none beyond a worker's prompts in flight. -> how many went out."""
+        self.apply_scale()
+        live = [s for s in self.slots[:self.target] if s.ready is None]
+        sent = 0
+        while sent < room and live:
+            s = min(live, key=lambda x: (len(x.in_flight), x.handed))
+            if len(s.in_flight) >= self.per_worker:
+                break
+            item = next_item()
+            item.queued_at = time.time()
+            meta, group = s.actor.rollout.options(num_returns=2).remote(item)
+            s.in_flight[meta] = (item, group)
+            s.handed += 1
+            sent += 1
+        return sent
+
+    def poll(self, timeout: float | None) -> tuple[list, list]:
+        """Groups that came back within `timeout` (at least one unless it ran out):
+        -> ([(item, meta, group ref)], [items lost with a dead worker])."""
+        refs = [r for s in self.slots for r in s.in_flight]
+        if not refs:
+            return [], []
+        done, _ = self.ray.wait(refs, num_returns=1, timeout=timeout)
+        more, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)  # and whatever else is ready
+        done = set(done) | set(more)
+        out, lost = [], []
+        for i in range(len(self.slots)):
+            s = self.slots[i]
+            for ref in [r for r in s.in_flight if r in done]:
+                if ref not in s.in_flight:  # the slot was replaced meanwhile
+                    continue
+                item, group = s.in_flight.pop(ref)
+                try:
+                    meta = self.ray.get(ref)
+                except self.ray.exceptions.RayError:  # worker died (or its result was lost)
+                    self.counters["worker_failures"] += 1
+                    lost += [item] + self._replace(i)
+                    break
+                out.append((item, meta, group))
+        return out, lost
+
+    # ----------------------------------------------------------------------------- publishing
+
+    def publish(self, version: int, adapter_ref) -> list:
+        """Every worker is sent the new version; -> the refs of those calls, which resolve once each
+        serves it (requests already running finish on their version)."""
+        self.version, self.adapter_ref = version, adapter_ref
+        return [s.actor.set_adapter.remote(version, adapter_ref) for s in self.slots if s.ready is None]
+
+    def settle(self, refs: list, timeout: float | None) -> bool:
+        """Whether every publish call in `refs` has returned; a worker that died on it is replaced (the new
+        one starts with the current adapter)."""
+        if not refs:
+            return True
+        done, rest = self.ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        if rest:
+            return False
+        for ref in done:
+            try:
+                self.ray.get(ref)
+            except self.ray.exceptions.RayError:
+                self.counters["worker_failures"] += 1
+                for i, s in enumerate(self.slots):
+                    if not self._alive(s):
+                        self._replace(i)
+        return True
+
+    def _alive(self, s: Slot) -> bool:
+        try:
+            self.ray.get(s.actor.health.remote(), timeout=30)
+            return True
+        except Exception:  # noqa: BLE001 - dead or unreachable
+            return False
+
+    def stats(self) -> list[dict]:
+        refs = [s.actor.stats.remote() for s in self.slots if s.ready is None]
+        out = []
+        for r in refs:
+            try:
+                out.append(self.ray.get(r, timeout=30))
+            except Exception:  # noqa: BLE001 - a worker dying now is handled by poll
+                pass
+        return out
