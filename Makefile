@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[engines,dev]'
+	$(BIN)/pip install -q -e '.[cpu,dev]'
 	-$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/python -c "import tandem.services, torch, vllm, ray, deepspeed, peft, transformers, pydantic"
 	touch $(STAMP)

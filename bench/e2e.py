@@ -86,8 +86,8 @@ def gpu_sampler():
 
     def stop():
         p.terminate()
-        return {"gpu_busy_frac": (sum(u > 0 for u in util) / len(util)) if util else None,
-                "gpu_util_mean": (sum(util) / len(util) / 100) if util else None,
+        # utilization.gpu: the share of each sample period with a kernel running; its mean is the busy fraction
+        return {"gpu_busy_frac": (sum(util) / len(util) / 100) if util else None,
                 "peak_gpu_gib": (max(mem) / 1024) if mem else None}
     return stop
 

@@ -28,9 +28,9 @@ from tandem.core.protocol import PromptItem
 from tandem.services.checkpointer import Checkpointer
 from tandem.services.data import check_rows, load_rows
 from tandem.services.group_buffer import GroupBuffer
-from tandem.services.prompt_source import PromptSource
+from tandem.services.prompt_source import PromptSource, PromptTable
 from tandem.services.rollout_pool import RolloutPool
-from tandem.services.run_log import EXPORTED, RunLog, series_name  # noqa: F401 - EXPORTED: deploy/ reads it
+from tandem.services.run_log import EXPORTED, RunLog, rollout_rates, series_name  # noqa: F401 - deploy/ reads EXPORTED
 
 
 def one_at_a_time(method):
@@ -58,14 +58,12 @@ class Controller:
         self.buffer = GroupBuffer(self.k)
         self.counters = Counter()
         self._drive = threading.Lock()
-        self.version = self.cycle = self.total_cycles = self.next_group_id = 0
+        self.version = self.cycle = self.total_cycles = 0
         self.seen: list[tuple[int, int, int]] = []  # (epoch, dataset index, version) of every trained group
         self.failed: list[dict] = []
         self.pool = None
-        self._publishing: list = []  # set_adapter refs of the newest version, until every worker serves it
-        self._published_at = 0.0
+        self._publishing: tuple = ([], 0.0)  # (set_adapter refs of the newest version, when it was exported)
         self._publish_latency = 0.0
-        self._last_stats: dict = {}
 
     @one_at_a_time
     def setup(self, *, learner=None) -> dict:
@@ -83,9 +81,9 @@ class Controller:
         tok = AutoTokenizer.from_pretrained(cfg.model.path)
         pc = cfg.data.prompt_column
         # Tokenised once, here; workers receive token ids.
-        self.prompts = [tokenize_prompt(tok, r[pc], max_prompt_length=cfg.generation.max_prompt_length,
-                                        truncate=cfg.data.truncate_long_prompts, row=i) for i, r in enumerate(rows)]
-        self.rows = rows
+        self.table = PromptTable(rows, [tokenize_prompt(tok, r[pc], max_prompt_length=cfg.generation.max_prompt_length,
+                                                        truncate=cfg.data.truncate_long_prompts, row=i)
+                                        for i, r in enumerate(rows)], pc)
         self.source = PromptSource(len(rows), cfg.seed, cfg.data.shuffle)
         U = self.plan.unique_prompts
         if cfg.batch.max_steps > 0:
@@ -143,8 +141,7 @@ class Controller:
         # max_staleness 0, before any of its prompts goes out).
         t2 = time.time()
         self.version, adapter_ref = self.learner.export_adapter()
-        t_export = time.time()
-        self._publishing, self._published_at = self.pool.publish(self.version, adapter_ref), t_export
+        self._publishing = (self.pool.publish(self.version, adapter_ref), time.time())
         self._settle_publish(timeout=None)
         self.cycle += 1
         done_run = self.cycle >= self.total_cycles
@@ -157,13 +154,7 @@ class Controller:
         return {"version": self.version, "steps": steps, "done": done_run}
 
     def _item(self) -> PromptItem:
-        idx, epoch = self.source.next()
-        row = self.rows[idx]
-        pc = self.cfg.data.prompt_column
-        it = PromptItem(self.next_group_id, idx, self.prompts[idx], row[pc],
-                        {k: v for k, v in row.items() if k != pc}, epoch=epoch)
-        self.next_group_id += 1
-        return it
+        return self.table.item(*self.source.next())
 
     def _gather(self, want: int, timeout: float) -> None:
         """Keep `want` prompts buffered or in flight, take what came back within `timeout`."""
@@ -185,7 +176,7 @@ class Controller:
             self.failed.append({"index": it.index, "epoch": it.epoch, "message": meta["failure"]})
             with open(self.out / "failed_prompts.jsonl", "a") as f:
                 f.write(json.dumps(self.failed[-1]) + "\n")
-            if len(self.failed) > max(4, len(self.rows) // 4):
+            if len(self.failed) > max(4, len(self.table) // 4):
                 raise RuntimeError(f"{len(self.failed)} prompts failed permanently; last: {meta['failure']}")
 
     def _requeue_stale(self) -> None:
@@ -194,28 +185,17 @@ class Controller:
             self.source.requeue(m["index"], m["epoch"])
 
     def _settle_publish(self, timeout: float | None) -> None:
-        if self._publishing and self.pool.settle(self._publishing, timeout):
-            self._publish_latency = time.time() - self._published_at
-            self._publishing = []
+        refs, exported_at = self._publishing
+        if refs and self.pool.settle(refs, timeout):
+            self._publish_latency = time.time() - exported_at
+            self._publishing = ([], 0.0)
 
     # ------------------------------------------------------------------------------ metrics
 
     def _rollout_stats(self) -> dict:
-        st = {"t": time.time(), "tokens": 0, "busy_s": 0.0, "by_worker": {}}
-        for s in self.pool.stats():
-            st["by_worker"][s["worker"]] = s
-            st["tokens"] += s["tokens"]
-            st["busy_s"] += s["busy_s"]
-        return st
+        return {"t": time.time(), "workers": {s["worker"]: s for s in self.pool.stats()}}
 
     def _metrics(self, steps, batch, before, **times) -> list[dict]:
-        after = self._rollout_stats()
-        wall = max(after["t"] - before["t"], 1e-9)
-        per_worker = {}
-        for w, s in after["by_worker"].items():
-            b = before["by_worker"].get(w, {"tokens": 0, "busy_s": 0.0})
-            busy = s["busy_s"] - b["busy_s"]
-            per_worker[w] = ((s["tokens"] - b["tokens"]) / busy if busy > 0 else 0.0, busy / wall, busy)
         lags = Counter(self.version - 1 - m["version"] for m, _ in batch)
         extra = {
             "cycle": self.cycle, "generate_wait_s": times["wait_s"], "train_s": times["train_s"],
@@ -224,12 +204,7 @@ class Controller:
             "cycle_s": times["cycle_s"],
             "queue_depth": len(self.buffer) + self.pool.in_flight(), "prompts_in_flight": self.pool.in_flight(),
             "staleness_hist": {str(k): v for k, v in sorted(lags.items())},
-            # generated tokens over the time each engine had requests running (not over the cycle)
-            "rollout/gen_tokens_per_s": sum(r for r, _, _ in per_worker.values()),
-            "rollout/busy_frac": (sum(f for _, f, _ in per_worker.values()) / len(per_worker)) if per_worker else 0.0,
-            "rollout_busy_s": max((b for _, _, b in per_worker.values()), default=0.0),
-            **{f"rollout/{w}/gen_tokens_per_s": r for w, (r, _, _) in per_worker.items()},
-            **{f"rollout/{w}/busy_frac": f for w, (_, f, _) in per_worker.items()},
+            **rollout_rates(before, self._rollout_stats()),
             **{f"count/{k}": v for k, v in self.counters.items()},
         }
         return [dict(s, **extra) for s in steps]
@@ -256,7 +231,7 @@ class Controller:
         # Prompts in flight or buffered were not trained on: on resume they are handed out again.
         pending = [(it.index, it.epoch) for it in self.pool.pending_items()] + self.buffer.pending()
         return {"cursor": self.source.state(pending), "cycle": self.cycle, "version": self.version,
-                "next_group_id": self.next_group_id, "seen": self.seen, "failed": self.failed,
+                "next_group_id": self.table.next_group_id, "seen": self.seen, "failed": self.failed,
                 "counters": dict(self.counters)}
 
     @one_at_a_time
@@ -275,14 +250,14 @@ class Controller:
             return False
         st = self.learner.load_checkpoint(str(latest))["controller"]
         self.source.load(st["cursor"])
-        self.cycle, self.version, self.next_group_id = st["cycle"], st["version"], st["next_group_id"]
+        self.cycle, self.version, self.table.next_group_id = st["cycle"], st["version"], st["next_group_id"]
         self.seen = [tuple(x) for x in st["seen"]]
         self.failed = st["failed"]
         self.counters.clear()
         self.counters.update(st["counters"])
         if self.version > 0:
             self.version, ref = self.learner.export_adapter()
-            self._publishing, self._published_at = self.pool.publish(self.version, ref), time.time()
+            self._publishing = (self.pool.publish(self.version, ref), time.time())
             self._settle_publish(timeout=None)
         return True
 

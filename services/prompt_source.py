@@ -7,6 +7,8 @@ from collections import Counter, deque
 
 import numpy as np
 
+from tandem.core.protocol import PromptItem
+
 MAX_REWARD_RETRIES = 1  # a prompt whose reward function failed is retried once, then recorded as failed
 
 
@@ -53,3 +55,22 @@ class PromptSource:
     def load(self, st: dict) -> None:
         self.epoch, self.pos = st["epoch"], st["pos"]
         self.requeued = deque(tuple(x) for x in st["requeued"])
+
+
+class PromptTable:
+    """The dataset's rows with their prompts tokenised once; makes the PromptItem a worker receives (a
+    fresh group id per hand-out: a re-queued prompt gets a new one)."""
+
+    def __init__(self, rows: list[dict], token_ids: list, prompt_column: str):
+        self.rows, self.token_ids, self.pc = rows, token_ids, prompt_column
+        self.next_group_id = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def item(self, index: int, epoch: int) -> PromptItem:
+        row = self.rows[index]
+        it = PromptItem(self.next_group_id, index, self.token_ids[index], row[self.pc],
+                        {k: v for k, v in row.items() if k != self.pc}, epoch=epoch)
+        self.next_group_id += 1
+        return it

@@ -141,3 +141,28 @@ def test_full_weight_reload_tied_embeddings(ray_session, tied_model, tmp_path):
             assert np.abs(old.score(it.prompt_ids, grp.completion(k)) - got).max() > 1e-2
     ray_session.get(w.shutdown.remote())
     ray_session.kill(w)
+
+
+def test_publishing_does_not_wait_for_a_running_request(ray_session, hf, tiny_model, tmp_path):
+    """A new adapter is served while a long request runs: set_adapter returns before that request's
+    group does, the running request finishes on the version it started with, the next one uses the new."""
+    job = make_job(tmp_path, tiny_model, [REWARD], generation={"max_completion_length": 900, "max_prompt_length": 64},
+                   batch={"num_generations": 8, "per_device_train_batch_size": 8})
+    w, ready = start_rollout_worker(job, 5)
+    ray_session.get(ready)
+    it = items(tiny_model, n=2, start=20)
+    long = Sampling(n=8, temperature=1.0, max_tokens=900)
+    running = w.generate.remote([it[0]], long)
+    ray_session.get(w.health.remote())
+    import time
+
+    time.sleep(0.3)  # the request is in the engine
+    assert ray_session.get(w.set_adapter.remote(1, random_adapter(hf, seed=3))) == 1
+    published_first = not ray_session.wait([running], timeout=0)[0]
+    old = ray_session.get(running)[0]
+    new = ray_session.get(w.generate.remote([it[1]], Sampling(n=2, max_tokens=8)))[0]
+    assert published_first, "set_adapter waited for the running request"
+    assert old.version == 0 and new.version == 1
+    assert max(old.lengths) > 100  # it was still generating when the adapter arrived
+    ray_session.get(w.shutdown.remote())
+    ray_session.kill(w)

@@ -85,5 +85,5 @@ def test_image_installs_every_package_folder_with_the_pinned_torch():
     copied = set(re.findall(r"^COPY (\S+) \1$", docker, re.M))
     assert set(mapping.values()) <= copied, set(mapping.values()) - copied
     pin = re.search(r"torch==[\d.]+", (ROOT / "Makefile").read_text()).group()
-    assert pin in docker and "'.[engines]'" in docker
+    assert pin in docker and "'.[cpu]'" in docker
 

