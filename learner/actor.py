@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tandem.core.adapter import ADAPTER_DIR, write_peft_adapter
 from tandem.core.checks import check_learner_device, check_shared_dir
 from tandem.core.compat import before_deepspeed_init, set_distributed_env
 from tandem.core.plan import BatchPlan
@@ -175,7 +176,7 @@ class Learner:
         w = token_weights(mb["mask"], g.loss_type, max_completion_length=self.cfg.generation.max_completion_length,
                           num_active_tokens=n_active)
         tis = tis_weight(old, mb["sampler_logp"], mb["mask"], g.vllm_importance_sampling_cap,
-                         g.vllm_importance_sampling_mode) if self.tis else None
+                         g.vllm_importance_sampling_mode, g.vllm_importance_sampling_clip_min) if self.tis else None
         return completion_grpo_loss(self.model, mb, self.cfg.generation.temperature, w, old_logp=old, ref_logp=ref,
                                     tis=tis, epsilon=g.epsilon, epsilon_high=g.epsilon_high, delta=g.delta,
                                     beta=g.beta)
@@ -212,7 +213,9 @@ class Learner:
                 mb = mbs[k]
                 ref_k = ref[k] if ref is not None else None
                 self._begin_micro_step()
-                if g.importance_sampling_level == "token":  # fused: loss and its gradient in one pass
+                # fused: loss and its gradient in one pass (the off-policy mask needs the policy's log-probs
+                # before the loss, so it takes the two-pass path)
+                if g.importance_sampling_level == "token" and g.off_policy_mask_threshold is None:
                     loss, logp, ent = self._fused_loss(mb, old[k] if old is not None else None, ref_k, n_active)
                     x = self._inputs(mb, logp, old[k] if old is not None else logp, ref_k, ent)
                 else:
@@ -318,6 +321,7 @@ class Learner:
             shutil.rmtree(tmp, ignore_errors=True)
         self._barrier()
         self.engine.save_checkpoint(str(tmp), tag="state", save_latest=False)
+        self._save_artifact(tmp)
         torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
                    tmp / f"rng_rank{self.rank}.pt")
@@ -329,6 +333,22 @@ class Learner:
             os.replace(tmp, final)
         self._barrier()
         return str(final)
+
+    def _save_artifact(self, directory: Path) -> None:
+        """What a user loads: the adapter in PEFT's format (LoRA), or a transformers model directory (full
+        fine-tuning). Gathered on every rank (ZeRO-3), written by rank 0."""
+        sd = self._gathered_state()
+        if self.rank != 0:
+            return
+        cfg = self.cfg
+        if cfg.model.lora is not None:
+            write_peft_adapter(directory / ADAPTER_DIR, sd, cfg.model.lora, str(Path(cfg.model.path).resolve()))
+            return
+        from transformers import AutoTokenizer
+
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        base.save_pretrained(directory / "model", state_dict=sd, safe_serialization=True)
+        AutoTokenizer.from_pretrained(cfg.model.path).save_pretrained(directory / "model")
 
     def load_checkpoint(self, directory: str) -> dict:
         d = Path(directory)

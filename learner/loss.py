@@ -42,8 +42,10 @@ def log_ratio(logp, old_logp, mask, importance_sampling_level="token"):
     return lr
 
 
-def tis_weight(old_logp, sampler_logp, mask, cap, mode="token_truncate"):
-    """[B, T] detached truncated-importance-sampling weight from exp(old − sampler) (spec §4.6)."""
+def tis_weight(old_logp, sampler_logp, mask, cap, mode="token_truncate", clip_min=None):
+    """[B, T] detached truncated-importance-sampling weight from exp(old − sampler) (spec §4.6).
+    clip_min (TRL's vllm_importance_sampling_clip_min): truncate modes raise the weight to it, mask modes
+    drop weights below it as they drop those above the cap."""
     _check("tis_mode", mode, TIS_MODES)
     if cap is None or cap <= 0:
         raise ValueError(f"tandem.learner.loss: tis_cap = {cap!r}; must be a positive number")
@@ -54,9 +56,10 @@ def tis_weight(old_logp, sampler_logp, mask, cap, mode="token_truncate"):
         if mode.startswith("sequence"):
             d = (d * m).sum(-1, keepdim=True).expand_as(d)
         log_cap = math.log(cap)
-        w = torch.exp(d.clamp(max=log_cap))
+        log_min = -math.inf if clip_min is None else math.log(clip_min)
+        w = torch.exp(d.clamp(min=log_min if mode.endswith("truncate") else None, max=log_cap))
         if mode.endswith("mask"):
-            w = torch.where(d > log_cap, torch.zeros_like(w), w)
+            w = torch.where((d > log_cap) | (d < log_min), torch.zeros_like(w), w)
     return w.to(old_logp.dtype)
 
 
@@ -65,6 +68,18 @@ def k3_kl(logp, ref_logp, mask):
     m = mask.bool()
     d = (_clean(ref_logp, m) - _clean(logp, m)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return (torch.exp(d) - d - 1) * m
+
+
+def off_policy_mask(advantages, logp, sampler_logp, mask, threshold):
+    """[B, 1] DeepSeek-V3.2's off-policy sequence mask (TRL's off_policy_mask_threshold): a completion
+    leaves the loss when its advantage is negative and its mean per-token KL(sampler ‖ policy),
+    mean(sampler_logp − logp), exceeds `threshold`. 1 = keep."""
+    m = mask.bool()
+    with torch.no_grad():
+        kl = (_clean(sampler_logp, m).double() - _clean(logp.detach(), m).double()) * m
+        mean_kl = kl.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+        keep = (advantages.reshape(-1, 1) >= 0) | (mean_kl <= threshold)
+    return keep.to(logp.dtype)
 
 
 def per_token_loss(
@@ -82,8 +97,12 @@ def per_token_loss(
     sampler_logp=None,
     tis_cap=None,
     tis_mode=_G.vllm_importance_sampling_mode,
+    tis_min=None,
+    off_policy_threshold=None,
+    behaviour_logp=None,
 ):
-    """[B, T] clipped surrogate (+ TIS, + beta·KL); zero where mask is 0."""
+    """[B, T] clipped surrogate (+ TIS, + beta·KL); zero where mask is 0. off_policy_threshold: the
+    off-policy sequence mask against behaviour_logp (the sampler's log-probs, else old_logp)."""
     m = mask.bool()
     eps_hi = epsilon if epsilon_high is None else epsilon_high
     ratio = torch.exp(log_ratio(logp, old_logp, m, importance_sampling_level))
@@ -92,11 +111,14 @@ def per_token_loss(
     clipped = ratio.clamp(1 - epsilon, 1 + eps_hi)
     loss = -torch.minimum(unclipped * a, clipped * a)
     if sampler_logp is not None and tis_cap is not None:
-        loss = loss * tis_weight(old_logp, sampler_logp, m, tis_cap, tis_mode)
+        loss = loss * tis_weight(old_logp, sampler_logp, m, tis_cap, tis_mode, tis_min)
     if beta > 0:
         if ref_logp is None:
             raise ValueError("tandem.learner.loss.per_token_loss: beta > 0 needs ref_logp")
         loss = loss + beta * k3_kl(logp, ref_logp, m)
+    if off_policy_threshold is not None:  # TRL applies it to the whole per-token loss, KL included
+        behaviour = behaviour_logp if behaviour_logp is not None else old_logp
+        loss = loss * off_policy_mask(advantages, logp, behaviour, m, off_policy_threshold)
     return _clean(loss, m)
 
 
@@ -142,6 +164,7 @@ def loss_metrics(
     sampler_logp=None,
     tis_cap=None,
     tis_mode=_G.vllm_importance_sampling_mode,
+    tis_min=None,
     entropy=None,
     logits=None,
     temperature=1.0,
@@ -167,7 +190,7 @@ def loss_metrics(
     if ref_logp is not None:
         out["kl"] = _masked_mean(k3_kl(logp.float(), ref_logp.float(), m), mf)
     if sampler_logp is not None and tis_cap is not None:
-        w = tis_weight(old_logp.float(), sampler_logp.float(), m, tis_cap, tis_mode)
+        w = tis_weight(old_logp.float(), sampler_logp.float(), m, tis_cap, tis_mode, tis_min)
         raw = _clean(old_logp.float(), m) - _clean(sampler_logp.float(), m)
         if tis_mode.startswith("sequence"):
             raw = (raw * m).sum(-1, keepdim=True).expand_as(raw)
@@ -214,7 +237,8 @@ def grpo_loss(x: LossInputs, g, *, tis: bool, max_completion_length: int, num_ac
     loss_fn(inputs, config) shape)."""
     per = per_token_loss(x.logp, x.old_logp, x.advantages, x.mask, epsilon=g.epsilon, epsilon_high=g.epsilon_high,
                          delta=g.delta, importance_sampling_level=g.importance_sampling_level, beta=g.beta,
-                         ref_logp=x.ref_logp, **_tis_args(x, g, tis))
+                         ref_logp=x.ref_logp, off_policy_threshold=g.off_policy_mask_threshold,
+                         behaviour_logp=x.sampler_logp, **_tis_args(x, g, tis))
     return aggregate_loss(per, x.mask, g.loss_type, max_completion_length=max_completion_length,
                           num_active_tokens=num_active_tokens)
 
@@ -229,4 +253,4 @@ def _tis_args(x: LossInputs, g, tis: bool) -> dict:
     if not tis:
         return {}
     return {"sampler_logp": x.sampler_logp, "tis_cap": g.vllm_importance_sampling_cap,
-            "tis_mode": g.vllm_importance_sampling_mode}
+            "tis_mode": g.vllm_importance_sampling_mode, "tis_min": g.vllm_importance_sampling_clip_min}

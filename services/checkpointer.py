@@ -34,6 +34,8 @@ class Checkpointer:
         return str(self.root / f"cycle-{cycle:06d}")
 
     def prune(self) -> None:
+        if self.keep is None:
+            return
         for old in complete_checkpoints(self.root)[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 

@@ -1,4 +1,4 @@
-"""`tandem`: plan | check | run | submit | scale | status | tiny-model."""
+"""`tandem`: plan | check | run | submit | scale | status | export | tiny-model."""
 
 from __future__ import annotations
 
@@ -115,6 +115,14 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from tandem.services.export import export_merged
+
+    dst = export_merged(args.source, args.merged, args.dtype)
+    print(f"wrote a merged transformers model to {dst} (load with AutoModelForCausalLM.from_pretrained or vLLM)")
+    return 0
+
+
 def cmd_tiny_model(args) -> int:
     from tandem.rollout.tiny_model import build_tiny_model
 
@@ -167,6 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     ss.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     ss.add_argument("--address", default=None, help="Ray cluster address (default: the one on this machine)")
     ss.set_defaults(fn=cmd_status)
+
+    se = sub.add_parser("export", help="merge a run's (or a checkpoint's) adapter into its base model")
+    se.add_argument("source", metavar="RUN_OR_CHECKPOINT")
+    se.add_argument("--merged", required=True, metavar="DIR", help="where the merged model directory goes")
+    se.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                    help="dtype of the merged weights (default: the base model's)")
+    se.set_defaults(fn=cmd_export)
 
     st = sub.add_parser("tiny-model", help="write a tiny random-init model + local tokenizer")
     st.add_argument("dir")

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from tandem.core.adapter import ADAPTER_DIR
+
 
 def start_ray(address: str | None, cfg):
     import ray
@@ -160,6 +162,7 @@ def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:
         return 130
     bar.close()
     path = ray.get(ctl.save_checkpoint.remote())
+    artifact = publish_artifact(Path(path), Path(cfg.logging.output_dir))
     ray.get(ctl.shutdown.remote())
     ray.kill(ctl)  # frees its name
     out_dir = Path(cfg.logging.output_dir)
@@ -171,4 +174,23 @@ def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:
     print(f"reward: first {k} steps {r0:.3f} -> last {k} steps {r1:.3f} ({r1 - r0:+.3f})", file=out)
     print(f"steps: {len(rows)}, wall: {time.time() - t_start:.0f} s", file=out)
     print(f"metrics: {out_dir / 'metrics.jsonl'}  plot: {png}  checkpoint: {path}", file=out)
+    if artifact is not None and artifact.name == ADAPTER_DIR:
+        print(f"adapter: {artifact} (PEFT format): PeftModel.from_pretrained(base, {str(artifact)!r}), vLLM "
+              f"LoRARequest('tandem', 1, {str(artifact)!r}), or `tandem export {out_dir} --merged DIR`", file=out)
+    elif artifact is not None:
+        print(f"model: {artifact} (transformers): AutoModelForCausalLM.from_pretrained({str(artifact)!r})", file=out)
     return 0
+
+
+def publish_artifact(checkpoint: Path, out_dir: Path) -> Path | None:
+    """The final checkpoint's adapter (or model) also at `<output_dir>/adapter` (or `/model`), a path
+    that does not change from run to run. -> where it is."""
+    import shutil
+
+    for name in (ADAPTER_DIR, "model"):
+        if (checkpoint / name).is_dir():
+            dst = out_dir / name
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(checkpoint / name, dst)
+            return dst
+    return None

@@ -3,9 +3,7 @@ EOS flags out. Two implementations: vLLM (fast_inference) and transformers (gene
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -51,19 +49,3 @@ class Engine:
 
     def close(self) -> None:
         pass
-
-
-def write_peft_adapter(out: Path, tensors: dict, lora, base_path: str) -> Path:
-    """A peft-format adapter directory (what vLLM's LoRARequest loads)."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
-    cfg = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
-        "r": lora.r, "lora_alpha": lora.lora_alpha, "lora_dropout": lora.lora_dropout,
-        "target_modules": list(lora.target_modules), "bias": "none", "fan_in_fan_out": False,
-        "inference_mode": True, "use_rslora": False, "use_dora": False, "modules_to_save": None,
-    }
-    (out / "adapter_config.json").write_text(json.dumps(cfg))
-    return out

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tandem.core.adapter import write_peft_adapter
 from tandem.core.compat import before_vllm_import
-from tandem.rollout.engines.base import Completion, Engine, Sampling, write_peft_adapter
+from tandem.rollout.engines.base import Completion, Engine, Sampling
 
 
 class TandemWorkerExtension:

@@ -130,6 +130,12 @@ class GRPOConfig(_Section):
         None, description="TIS; null = on exactly when vLLM samples (model.fast_inference)"
     )
     vllm_importance_sampling_cap: float = Field(2.0, gt=0, description="TIS truncation C")
+    vllm_importance_sampling_clip_min: float | None = Field(
+        None, gt=0, description="TIS lower bound: truncate modes raise weights to it, mask modes drop those below; "
+        "null = none (TRL's name)")
+    off_policy_mask_threshold: float | None = Field(
+        None, ge=0, description="off-policy sequence mask (DeepSeek-V3.2, TRL's name): a negative-advantage "
+        "completion whose mean KL(sampler ‖ policy) exceeds it leaves the loss; null = off")
     vllm_importance_sampling_mode: Literal[
         "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
     ] = Field("token_truncate", description="TIS variant (TRL's names)")
@@ -205,7 +211,7 @@ class ClusterConfig(_Section):
 class CheckpointConfig(_Section):
     dir: str | None = Field(None, description="checkpoint directory; null = <output_dir>/checkpoints")
     save_steps: int = Field(0, ge=0, description="save every N optimizer steps; 0 = only at the end")
-    save_total_limit: int = Field(2, ge=1, description="checkpoints kept")
+    save_total_limit: int | None = Field(2, ge=1, description="checkpoints kept; null = every one (TRL's default)")
     resume: bool = Field(False, description="continue from the newest complete checkpoint")
 
 
@@ -250,6 +256,10 @@ class JobConfig(_Section):
             )
         if g.vllm_importance_sampling_correction is None:
             g.vllm_importance_sampling_correction = self.model.fast_inference if self.model else True
+        lo = g.vllm_importance_sampling_clip_min
+        if lo is not None and lo >= g.vllm_importance_sampling_cap:
+            raise ValueError(f"grpo.vllm_importance_sampling_clip_min = {lo}: must be below "
+                             f"grpo.vllm_importance_sampling_cap = {g.vllm_importance_sampling_cap} (or null)")
         if g.epsilon_high is not None and g.epsilon_high < g.epsilon:
             raise ValueError(
                 f"grpo.epsilon_high = {g.epsilon_high}: must be >= grpo.epsilon = {g.epsilon} (or null)"

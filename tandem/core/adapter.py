@@ -1,0 +1,45 @@
+"""The trained adapter as an artifact: PEFT's on-disk format (adapter_config.json +
+adapter_model.safetensors, the base model's path recorded), which `PeftModel.from_pretrained` and vLLM's
+`LoRARequest` load. The learner writes one into every checkpoint and the run directory at the end; the
+rollout engines write the published versions the same way for vLLM."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ADAPTER_DIR = "adapter"  # inside a checkpoint and inside the run directory
+
+
+def peft_config(lora, base_path: str) -> dict:
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_path),
+        "r": lora.r, "lora_alpha": lora.lora_alpha, "lora_dropout": lora.lora_dropout,
+        "target_modules": list(lora.target_modules), "bias": "none", "fan_in_fan_out": False,
+        "inference_mode": True, "use_rslora": False, "use_dora": False, "modules_to_save": None,
+    }
+
+
+def write_peft_adapter(out: Path, tensors: dict, lora, base_path: str) -> Path:
+    """tensors: peft's state dict (get_peft_model_state_dict names). Safetensors: loading runs no code."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(peft_config(lora, base_path), indent=1))
+    return out
+
+
+def find_adapter(path: str | Path) -> Path:
+    """The adapter of a run directory (its final one), of a checkpoint, or an adapter directory itself."""
+    p = Path(path)
+    for cand in (p, p / ADAPTER_DIR):
+        if (cand / "adapter_config.json").is_file():
+            return cand
+    ckpts = sorted(c for c in (p / "checkpoints").glob("cycle-*") if (c / ADAPTER_DIR / "adapter_config.json").is_file()) \
+        if (p / "checkpoints").is_dir() else []
+    if ckpts:
+        return ckpts[-1] / ADAPTER_DIR
+    raise FileNotFoundError(f"{str(p)!r}: no adapter here (looked for adapter_config.json in it, in {ADAPTER_DIR}/, "
+                            "and in checkpoints/cycle-*/adapter/); give a run directory, a checkpoint or an adapter")
