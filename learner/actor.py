@@ -24,7 +24,7 @@ from tandem.core.adapter import ADAPTER_DIR, write_peft_adapter
 from tandem.core.checks import check_learner_device, check_shared_dir
 from tandem.core.compat import before_deepspeed_init, set_distributed_env
 from tandem.core.plan import BatchPlan
-from tandem.learner.advantages import compute_advantages, total_rewards
+from tandem.learner.advantages import compute_advantages, total_rewards, with_overlong_column
 from tandem.learner.batch import Samples, collate, to_device
 from tandem.learner.logprobs import completion_grpo_loss, completion_logprobs
 from tandem.learner.loss import LossInputs, grpo_loss, grpo_metrics, tis_weight, token_weights
@@ -192,8 +192,10 @@ class Learner:
             raise ValueError(f"Learner.train: {len(groups)} groups; the batch plan needs {plan.unique_prompts}")
         _check_token_ids(groups, self.model.get_input_embeddings().num_embeddings)
         s = Samples.from_groups(groups)
-        adv = compute_advantages(torch.from_numpy(s.rewards), plan.num_generations, g.reward_weights,
-                                 g.scale_rewards)
+        lengths = torch.tensor([len(c) for c in s.completions])
+        rewards, weights = with_overlong_column(torch.from_numpy(s.rewards), lengths, g.reward_weights, g,
+                                                cfg.generation.max_completion_length)
+        adv = compute_advantages(rewards, plan.num_generations, weights, g.scale_rewards)
         mk = dict(pad_id=self.pad_id, mask_truncated=g.mask_truncated_completions)
         S = plan.steps_per_generation
         mbs = [to_device(collate(s, plan.rows(k, self.rank), adv, **mk), self.device) for k in range(S)]
@@ -233,16 +235,17 @@ class Learner:
                 self.engine.backward(loss * (GA * W))
                 if self.engine.is_gradient_accumulation_boundary():
                     grad_norm = self._grad_norm_before_step()
+                    lr = self.scheduler.get_last_lr()[0]  # the rate this step applies (TRL logs that one)
                 self.engine.step()
                 loss_sum += float(loss.detach())
                 mm = grpo_metrics(x, g, tis=self.tis)
                 _accumulate(acc, mm)
             self.steps += 1
             step_metrics.append(self._reduce(acc, loss_sum) | {
-                "step": self.steps, "lr": self.scheduler.get_last_lr()[0],
+                "step": self.steps, "lr": lr,
                 "grad_norm": grad_norm if grad_norm is not None else float(self.engine.get_global_grad_norm() or 0.0)})
         self.version += 1
-        batch_stats = rollout_stats(s, plan.num_generations, g.reward_weights, self.version - 1)
+        batch_stats = rollout_stats(s, plan.num_generations, weights, self.version - 1, rewards.numpy())
         train_s = time.time() - t0
         tokens = sum(int(mb["attention_mask"].sum()) for mb in mbs) * plan.num_iterations  # this rank's
         batch_stats.update(self._throughput(tokens, train_s))
@@ -404,12 +407,14 @@ def _accumulate(acc: dict, m: dict) -> None:
             acc["sum:" + k] = acc.get("sum:" + k, 0.0) + v * n
 
 
-def rollout_stats(s: Samples, G: int, weights, version: int) -> dict:
-    """Reward and completion statistics of the generation batch (spec §5)."""
-    r, valid = total_rewards(torch.from_numpy(s.rewards), weights)
+def rollout_stats(s: Samples, G: int, weights, version: int, rewards: np.ndarray | None = None) -> dict:
+    """Reward and completion statistics of the generation batch (spec §5). `rewards`: the columns trained
+    on (the functions', plus the overlong penalty when on); default the functions'."""
+    rewards = s.rewards if rewards is None else rewards
+    r, valid = total_rewards(torch.from_numpy(rewards), weights)
     r = r[valid]
     lengths = np.array([len(c) for c in s.completions])
-    grp = torch.from_numpy(s.rewards).nan_to_num(0.0).sum(1).view(-1, G)
+    grp = torch.from_numpy(rewards).nan_to_num(0.0).sum(1).view(-1, G)
     out = {
         "reward": float(r.mean()) if len(r) else 0.0,
         "reward_std": float(r.std()) if len(r) > 1 else 0.0,
@@ -421,8 +426,8 @@ def rollout_stats(s: Samples, G: int, weights, version: int) -> dict:
         "version_lag": float(np.mean(version - s.versions)),
         "version_lag_max": float(np.max(version - s.versions)),
     }
-    for f in range(s.rewards.shape[1]):
-        col = s.rewards[:, f]
+    for f in range(rewards.shape[1]):
+        col = rewards[:, f]
         col = col[~np.isnan(col)]
         out[f"rewards/{f}/mean"] = float(col.mean()) if len(col) else 0.0
         out[f"rewards/{f}/std"] = float(col.std(ddof=1)) if len(col) > 1 else 0.0

@@ -75,6 +75,8 @@ class Controller:
 
         cfg = self.cfg
         check_inputs(cfg)  # as this node sees them; each worker imports the rewards again in its setup
+        if cfg.logging.overwrite_output_dir and not cfg.checkpoint.resume:
+            self._clear_run_dir()
         self.out.mkdir(parents=True, exist_ok=True)
         rows = load_rows(cfg.data.path)
         check_rows(rows, cfg.data.prompt_column, cfg.data.path)
@@ -103,6 +105,15 @@ class Controller:
         self.pool = RolloutPool(lambda slot: start_rollout_worker(cfg, slot), prompts_in_flight(cfg), self.counters)
         self.pool.start(cfg.cluster.num_rollout_workers)
         return self.status()
+
+    def _clear_run_dir(self) -> None:
+        """overwrite_output_dir: the earlier run's record and checkpoints go before this one writes."""
+        import shutil
+
+        for name in ("metrics.jsonl", "failed_prompts.jsonl"):
+            (self.out / name).unlink(missing_ok=True)
+        for d in (Path(self.cfg.checkpoint_dir), self.out / "adapter", self.out / "model"):
+            shutil.rmtree(d, ignore_errors=True)
 
     @property
     def workers(self) -> list:

@@ -161,8 +161,10 @@ def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:
         print(f"checkpoint: {path} (resume with --set checkpoint.resume=true)", file=out)
         return 130
     bar.close()
-    path = ray.get(ctl.save_checkpoint.remote())
-    artifact = publish_artifact(Path(path), Path(cfg.logging.output_dir))
+    path, artifact = None, None
+    if cfg.checkpoint.save_final:
+        path = ray.get(ctl.save_checkpoint.remote())
+        artifact = publish_artifact(Path(path), Path(cfg.logging.output_dir))
     ray.get(ctl.shutdown.remote())
     ray.kill(ctl)  # frees its name
     out_dir = Path(cfg.logging.output_dir)

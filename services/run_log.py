@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 # metrics of the last optimizer step of each cycle exported as Ray metrics (the dashboard's Metrics
@@ -41,9 +42,10 @@ class RunLog:
         self._gauges: dict = {}
 
     def write(self, steps: list[dict]) -> None:
+        now = time.time()
         with open(self.path, "a") as f:
             for s in steps:
-                f.write(json.dumps(s) + "\n")
+                f.write(json.dumps({"time": now, **s}) + "\n")
         try:
             from ray.util.metrics import Gauge
 

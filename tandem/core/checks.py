@@ -59,9 +59,32 @@ def raise_if(errors: list[str | None]) -> None:
         raise JobConfigError("invalid job: " + "; ".join(found))
 
 
+def run_dir_in_use(cfg: JobConfig) -> str | None:
+    """What shows that output_dir holds an earlier run (its metrics or a complete checkpoint), or None."""
+    out = Path(cfg.logging.output_dir)
+    if (out / "metrics.jsonl").is_file():
+        return str(out / "metrics.jsonl")
+    ck = Path(cfg.checkpoint_dir)
+    done = sorted(p for p in ck.glob("*/tandem.json")) if ck.is_dir() else []
+    return str(done[-1].parent) if done else None
+
+
+def run_dir_error(cfg: JobConfig) -> str | None:
+    """A fresh run never mixes with an earlier one: it resumes it or is told to overwrite it."""
+    out = Path(cfg.logging.output_dir)
+    if out.exists() and not out.is_dir():
+        return f"logging.output_dir = {str(out)!r}: a file, not a directory"
+    used = run_dir_in_use(cfg)
+    if used and not (cfg.checkpoint.resume or cfg.logging.overwrite_output_dir):
+        return (f"logging.output_dir = {str(out)!r}: holds an earlier run ({used}); allowed: "
+                "checkpoint.resume: true to continue it, logging.overwrite_output_dir: true to start over there, "
+                "or another directory")
+    return None
+
+
 def check_inputs(cfg: JobConfig) -> None:
-    """Model, data and reward functions, as this machine sees them."""
-    raise_if([model_error(cfg), data_error(cfg), *reward_errors(cfg)])
+    """Model, data and reward functions as this machine sees them, and a run directory of its own."""
+    raise_if([model_error(cfg), data_error(cfg), *reward_errors(cfg), run_dir_error(cfg)])
 
 
 def check_learner_device(cfg: JobConfig) -> None:

@@ -136,6 +136,10 @@ class GRPOConfig(_Section):
     off_policy_mask_threshold: float | None = Field(
         None, ge=0, description="off-policy sequence mask (DeepSeek-V3.2, TRL's name): a negative-advantage "
         "completion whose mean KL(sampler ‖ policy) exceeds it leaves the loss; null = off")
+    overlong_buffer_len: int | None = Field(
+        None, ge=1, description="DAPO's soft overlong punishment: completions within this many tokens of "
+        "max_completion_length get a penalty falling linearly to -overlong_penalty_factor; null = off")
+    overlong_penalty_factor: float = Field(1.0, ge=0, description="the overlong penalty at max_completion_length")
     vllm_importance_sampling_mode: Literal[
         "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
     ] = Field("token_truncate", description="TIS variant (TRL's names)")
@@ -213,12 +217,16 @@ class CheckpointConfig(_Section):
     save_steps: int = Field(0, ge=0, description="save every N optimizer steps; 0 = only at the end")
     save_total_limit: int | None = Field(2, ge=1, description="checkpoints kept; null = every one (TRL's default)")
     resume: bool = Field(False, description="continue from the newest complete checkpoint")
+    save_final: bool = Field(True, description="write a checkpoint (and <output_dir>/adapter) at the end of the run")
 
 
 class LoggingConfig(_Section):
     output_dir: str = Field("runs/tandem", description="run directory: metrics.jsonl, plot, checkpoints; on a "
                             "cluster a filesystem every node sees at this path")
     progress: bool = Field(True, description="progress bar on the terminal")
+    overwrite_output_dir: bool = Field(
+        False, description="start over in an output_dir that holds an earlier run (its metrics and checkpoints "
+        "are deleted); false = such a directory is refused unless checkpoint.resume (TRL's name)")
 
 
 # ------------------------------------------------------------------------------------------ job
@@ -256,6 +264,9 @@ class JobConfig(_Section):
             )
         if g.vllm_importance_sampling_correction is None:
             g.vllm_importance_sampling_correction = self.model.fast_inference if self.model else True
+        if g.overlong_buffer_len is not None and g.overlong_buffer_len > self.generation.max_completion_length:
+            raise ValueError(f"grpo.overlong_buffer_len = {g.overlong_buffer_len}: must be at most "
+                             f"generation.max_completion_length = {self.generation.max_completion_length}")
         lo = g.vllm_importance_sampling_clip_min
         if lo is not None and lo >= g.vllm_importance_sampling_cap:
             raise ValueError(f"grpo.vllm_importance_sampling_clip_min = {lo}: must be below "

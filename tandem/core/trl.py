@@ -23,7 +23,7 @@ _SECTION_OF = {
     "optimizer": ["learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "warmup_ratio",
                   "warmup_steps", "lr_scheduler_type", "max_grad_norm"],
     "checkpoint": ["save_steps", "save_total_limit"],
-    "logging": ["output_dir"],
+    "logging": ["output_dir", "overwrite_output_dir"],
 }
 KNOWN: dict[str, tuple[str, str]] = {name: (sec, name) for sec, names in _SECTION_OF.items() for name in names}
 KNOWN.update({
@@ -71,7 +71,7 @@ COSMETIC = {
     "report_to", "logging_steps", "logging_dir", "run_name", "logging_first_step", "logging_strategy", "log_level",
     "push_to_hub", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "disable_tqdm",
     "log_completions", "num_completions_to_print", "wandb_log_unique_prompts", "dataloader_num_workers",
-    "dataloader_pin_memory", "remove_unused_columns", "overwrite_output_dir", "save_strategy",
+    "dataloader_pin_memory", "remove_unused_columns",
     "eval_strategy", "evaluation_strategy", "per_device_eval_batch_size", "do_eval", "do_train",
     "eval_steps", "vllm_mode", "vllm_tensor_parallel_size",
     "vllm_server_host", "vllm_server_port", "vllm_server_base_url", "vllm_server_timeout",
@@ -125,6 +125,9 @@ def trl_to_sections(flat: dict[str, Any]) -> dict[str, Any]:
         elif name in ("bf16", "fp16"):
             if value:
                 put("model", "dtype", "bfloat16" if name == "bf16" else "float16")
+        elif name == "save_strategy":
+            if value not in ("steps", "no"):
+                unsupported.append(f"save_strategy={value!r} (allowed: 'steps', 'no')")
         elif name == "optim":
             if value in _ADAMW_8BIT:
                 warnings.warn(f"optim = {value!r}: Tandem runs 32-bit AdamW (same update, more memory)",
@@ -141,6 +144,8 @@ def trl_to_sections(flat: dict[str, Any]) -> dict[str, Any]:
             ignored.append(name)
         else:
             unsupported.append(f"{name}={value!r} (unknown GRPOConfig name)")
+    if flat.get("save_strategy") == "no":  # after the loop: save_steps may come later in the dict
+        out.setdefault("checkpoint", {}).update(save_final=False, save_steps=0)
     if unsupported:
         from tandem.core.config import JobConfigError
 

@@ -97,6 +97,7 @@ def test_resume_continues_order_and_version(ray_session, tmp_path, tiny_model):
     straight = Counter((e, i) for e, i, _ in a.seen)
     a.shutdown()
     (tmp_path / "run" / "metrics.jsonl").unlink()
+    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": True})})
     b = started(Controller(cfg))
     assert b.resume() and b.cycle == 2 and b.version == 2
     assert ray_session.get(b.workers[0].health.remote())["version"] == 2
@@ -165,3 +166,4 @@ def test_tandem_scale_and_status_reach_the_running_job(ray_session, tmp_path, ti
     ray_session.kill(ctl)
     assert main(["status", str(job)]) == 2
     assert f"no running job writes to {cfg.logging.output_dir!r}" in capsys.readouterr().err
+

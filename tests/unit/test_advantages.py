@@ -102,3 +102,34 @@ def test_bad_arguments_named():
         compute_advantages(torch.zeros(5, 1), 2)
     with pytest.raises(ValueError, match="reward_weights"):
         compute_advantages(torch.zeros(4, 2), 2, reward_weights=[1.0])
+
+
+def test_overlong_penalty_is_dapos_formula_in_float64():
+    from tandem.learner.advantages import overlong_penalty
+
+    L, buf, k = 20, 8, 0.5
+    lengths = torch.arange(0, 26)
+    got = overlong_penalty(lengths, L, buf, k)
+    want = torch.tensor([0.0 if n <= L - buf else -k * (n - (L - buf)) / buf for n in range(26)],
+                        dtype=torch.float64)  # verl: min(-(n - expected) / buffer * factor, 0)
+    assert got.dtype == torch.float64 and torch.equal(got, want)
+    assert got[L] == -k and got[L - buf] == 0 and got[L - buf + 1] < 0
+    with pytest.raises(ValueError, match="buffer_len = 0"):
+        overlong_penalty(lengths, L, 0)
+
+
+def test_overlong_column_joins_the_rewards_with_weight_one():
+    from types import SimpleNamespace
+
+    from tandem.learner.advantages import compute_advantages, total_rewards, with_overlong_column
+
+    r = torch.tensor([[1.0], [1.0], [1.0], [1.0]])
+    lengths = torch.tensor([4, 10, 4, 10])
+    g = SimpleNamespace(overlong_buffer_len=4, overlong_penalty_factor=1.0)
+    ext, w = with_overlong_column(r, lengths, [2.0], g, max_completion_length=10)
+    assert w == [2.0, 1.0] and torch.equal(ext[:, 1], torch.tensor([0.0, -1.0, 0.0, -1.0], dtype=torch.float64))
+    assert torch.equal(total_rewards(ext, w)[0], torch.tensor([2.0, 1.0, 2.0, 1.0], dtype=torch.float64))
+    adv = compute_advantages(ext, 2, w, "none")
+    assert torch.equal(adv, torch.tensor([0.5, -0.5, 0.5, -0.5], dtype=torch.float64))  # long ones lose
+    same, w0 = with_overlong_column(r, lengths, None, SimpleNamespace(overlong_buffer_len=None), 10)
+    assert same is r and w0 is None

@@ -223,3 +223,27 @@ def test_from_trl_generation_batch_size(job_files):
     cfg = JobConfig.from_trl({"per_device_train_batch_size": 4, "generation_batch_size": 16,
                               "gradient_accumulation_steps": 2, "num_generations": 4}, **job_files)
     assert cfg.batch.steps_per_generation == 4
+
+
+def test_a_fresh_run_refuses_a_used_run_directory(job_files, tmp_path):
+    """Checked before anything starts (tandem run's driver, the controller's setup): a second run into the
+    same output_dir is refused unless it resumes or overwrites."""
+    d = copy.deepcopy(job_files)
+    d["logging"] = {"output_dir": str(tmp_path / "run")}
+    check_inputs(load(d))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(JobConfigError, match="holds an earlier run .*metrics.jsonl.*checkpoint.resume: true"):
+        check_inputs(load(d))
+    check_inputs(load(d, ["checkpoint.resume=true"]))
+    check_inputs(load(d, ["logging.overwrite_output_dir=true"]))
+    (tmp_path / "run" / "metrics.jsonl").unlink()
+    ck = tmp_path / "run" / "checkpoints" / "cycle-000004"
+    ck.mkdir(parents=True)
+    check_inputs(load(d))  # a checkpoint still being written is no earlier run
+    (ck / "tandem.json").write_text("{}")
+    with pytest.raises(JobConfigError, match="cycle-000004"):
+        check_inputs(load(d))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(JobConfigError, match="a file, not a directory"):
+        check_inputs(load(d, [f"logging.output_dir={tmp_path / 'file'}"]))

@@ -117,3 +117,9 @@ def test_off_policy_mask_matches_trls_own_function():
     plain = per_token_loss(logp, old, adv, mask)
     keep = want.squeeze(1).bool()
     assert torch.equal(with_mask[keep], plain[keep]) and (with_mask[~keep] == 0).all()
+
+
+def test_save_strategy_no_turns_off_saving(job_files):
+    cfg = JobConfig.from_trl({"save_strategy": "no", "save_steps": 100}, **job_files)
+    assert cfg.checkpoint.save_final is False and cfg.checkpoint.save_steps == 0
+    assert JobConfig.from_dict(job_files).checkpoint.save_final is True
