@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from tandem.core.shaping import overlong_penalty
+
 STD_EPS = 1e-4  # added to the std before dividing (TRL/Unsloth)
 
 
@@ -84,25 +86,13 @@ def compute_advantages(
     return adv.reshape(-1).to(out_dtype)
 
 
-def overlong_penalty(lengths: torch.Tensor, max_completion_length: int, buffer_len: int,
-                     factor: float = 1.0) -> torch.Tensor:
-    """DAPO's soft overlong punishment (verl's overlong_buffer; TRL's get_soft_overlong_punishment at
-    factor 1): 0 up to max_completion_length − buffer_len tokens, then falling linearly to −factor at
-    max_completion_length (and below, for anything longer). lengths [N] -> float64 [N]."""
-    if not 0 < buffer_len <= max_completion_length:
-        raise ValueError(f"overlong_penalty: buffer_len = {buffer_len}; allowed 1..max_completion_length "
-                         f"({max_completion_length})")
-    expected = max_completion_length - buffer_len
-    over = lengths.to(torch.float64) - expected
-    return torch.clamp(-over / buffer_len * factor, max=0.0)
-
-
 def with_overlong_column(rewards: torch.Tensor, lengths: torch.Tensor, reward_weights, g, max_completion_length):
     """The per-function rewards [N, F] with the overlong penalty as one more column of weight 1 (so every
     statistic, per-column metrics included, sees it), and the weights to go with them. Unchanged when
     grpo.overlong_buffer_len is null."""
     if g.overlong_buffer_len is None:
         return rewards, reward_weights
-    pen = overlong_penalty(lengths, max_completion_length, g.overlong_buffer_len, g.overlong_penalty_factor)
+    pen = torch.from_numpy(overlong_penalty(lengths.numpy(), max_completion_length, g.overlong_buffer_len,
+                                            g.overlong_penalty_factor))
     weights = list(reward_weights) if reward_weights is not None else [1.0] * rewards.shape[1]
     return torch.cat([rewards.to(torch.float64), pen[:, None]], dim=1), weights + [1.0]

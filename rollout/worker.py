@@ -23,6 +23,7 @@ import numpy as np
 
 from tandem.core.compat import rollout_env_vars
 from tandem.core.protocol import PromptItem, RolloutFailure, RolloutGroup, group_meta, pack_completions
+from tandem.core.shaping import is_informative, overlong_penalty
 from tandem.rollout.engines.base import Sampling
 from tandem.rollout.prompts import completion_views
 from tandem.rollout.rewards import RewardError, RewardFunctions
@@ -241,7 +242,15 @@ class RolloutWorker:
         self._await_ready()
         t0 = time.time()
         g = self._group(item, self._sample([item], self.sampling)[0], t0)
-        return group_meta(g), g
+        return group_meta(g, self._informative(g)), g
+
+    def _informative(self, g) -> bool:
+        if not isinstance(g, RolloutGroup):
+            return True
+        gr, gen = self.cfg.grpo, self.cfg.generation
+        pen = None if gr.overlong_buffer_len is None else overlong_penalty(
+            g.lengths, gen.max_completion_length, gr.overlong_buffer_len, gr.overlong_penalty_factor)
+        return is_informative(g.rewards, gr.reward_weights, pen)
 
     def _group(self, it: PromptItem, req: _Request, t0: float) -> RolloutGroup | RolloutFailure:
         comps = req.result

@@ -61,6 +61,9 @@ class Controller:
         self.version = self.cycle = self.total_cycles = 0
         self.seen: list[tuple[int, int, int]] = []  # (epoch, dataset index, version) of every trained group
         self.failed: list[dict] = []
+        self.filtered: list[tuple[int, int, int]] = []  # (epoch, index, version) of groups dynamic sampling dropped
+        self._filler: list = []  # this batch's filtered groups, to fill it when the oversampling bound is hit
+        self._sampled = 0  # prompts handed out for the batch being gathered
         self.pool = None
         self._publishing: tuple = ([], 0.0)  # (set_adapter refs of the newest version, when it was exported)
         self._publish_latency = 0.0
@@ -128,12 +131,19 @@ class Controller:
         t0 = time.time()
         U = self.plan.unique_prompts
         before = self._rollout_stats()
+        filled = 0
         while True:
             self._requeue_stale()
             if len(self.buffer) >= U:
                 break
+            if self._oversampled(U) and not self.pool.in_flight():
+                filled = self._fill(U)
+                continue
             self._gather(U, timeout=1.0)
         batch = self.buffer.take(U)
+        sampled, self._sampled = self._sampled, 0
+        self.filtered += [(m["epoch"], m["index"], m["version"]) for m, _ in self._filler]  # used, not trained
+        self._filler = []
         wait_s = time.time() - t0
         t1 = time.time()
         train_refs = self.learner.train_async([g for _, g in batch])
@@ -159,6 +169,9 @@ class Controller:
         publish_s = time.time() - t2
         steps = self._metrics(result["steps"], batch, before, wait_s=wait_s, train_s=train_s, publish_s=publish_s,
                               cycle_s=time.time() - t0)
+        if self.cfg.grpo.dynamic_sampling:
+            steps = [dict(st, **{"dynamic_sampling/prompts_sampled": sampled, "dynamic_sampling/filled": filled})
+                     for st in steps]
         self.log.write(steps)
         if self.checkpoints.due([s["step"] for s in steps]):
             self._save()
@@ -170,8 +183,10 @@ class Controller:
     def _gather(self, want: int, timeout: float) -> None:
         """Keep `want` prompts buffered or in flight, take what came back within `timeout`."""
         room = want - len(self.buffer) - self.pool.in_flight()
+        if self.cfg.grpo.dynamic_sampling:
+            room = min(room, int(self.cfg.grpo.max_oversampling * self.plan.unique_prompts) - self._sampled)
         if room > 0:
-            self.pool.feed(self._item, room)
+            self._sampled += self.pool.feed(self._item, room)
         results, lost = self.pool.poll(timeout=timeout)
         for it in lost:  # back to the front of the queue: nothing lost
             self.source.requeue(it.index, it.epoch, front=True)
@@ -180,7 +195,12 @@ class Controller:
 
     def _accept(self, it: PromptItem, meta: dict, ref) -> None:
         if not meta.get("failure"):
-            self.buffer.add(dict(meta, index=it.index, epoch=it.epoch), ref)
+            m = dict(meta, index=it.index, epoch=it.epoch)
+            if self.cfg.grpo.dynamic_sampling and not meta.get("informative", True):
+                self.counters["groups_filtered"] += 1
+                self._filler.append((m, ref))
+            else:
+                self.buffer.add(m, ref)
             return
         self.counters["reward_failures"] += 1
         if not self.source.retry(it.index, it.epoch):
@@ -189,6 +209,23 @@ class Controller:
                 f.write(json.dumps(self.failed[-1]) + "\n")
             if len(self.failed) > max(4, len(self.table) // 4):
                 raise RuntimeError(f"{len(self.failed)} prompts failed permanently; last: {meta['failure']}")
+
+    def _oversampled(self, U: int) -> bool:
+        return self.cfg.grpo.dynamic_sampling and self._sampled >= int(self.cfg.grpo.max_oversampling * U)
+
+    def _fill(self, U: int) -> int:
+        """The oversampling bound is reached: the batch is completed with the freshest filtered groups
+        (advantage 0: they add no gradient), or, without enough of them, more prompts are allowed."""
+        fresh = [(m, r) for m, r in self._filler if self.version - m["version"] <= self.k]
+        use = fresh[-(U - len(self.buffer)):] if fresh else []
+        for m, r in use:
+            self.buffer.add(m, r)
+        ids = {id(r) for _, r in use}
+        self._filler = [(m, r) for m, r in self._filler if id(r) not in ids]
+        if len(self.buffer) < U:  # every prompt failed or went stale: sample on rather than stall
+            self._sampled = 0
+        self.counters["groups_filled"] += len(use)
+        return len(use)
 
     def _requeue_stale(self) -> None:
         for m in self.buffer.drop_stale(self.version):
@@ -243,6 +280,7 @@ class Controller:
         pending = [(it.index, it.epoch) for it in self.pool.pending_items()] + self.buffer.pending()
         return {"cursor": self.source.state(pending), "cycle": self.cycle, "version": self.version,
                 "next_group_id": self.table.next_group_id, "seen": self.seen, "failed": self.failed,
+                "filtered": self.filtered + [(m["epoch"], m["index"], m["version"]) for m, _ in self._filler],
                 "counters": dict(self.counters)}
 
     @one_at_a_time
@@ -263,6 +301,7 @@ class Controller:
         self.source.load(st["cursor"])
         self.cycle, self.version, self.table.next_group_id = st["cycle"], st["version"], st["next_group_id"]
         self.seen = [tuple(x) for x in st["seen"]]
+        self.filtered = [tuple(x) for x in st.get("filtered", [])]
         self.failed = st["failed"]
         self.counters.clear()
         self.counters.update(st["counters"])

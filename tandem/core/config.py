@@ -140,6 +140,12 @@ class GRPOConfig(_Section):
         None, ge=1, description="DAPO's soft overlong punishment: completions within this many tokens of "
         "max_completion_length get a penalty falling linearly to -overlong_penalty_factor; null = off")
     overlong_penalty_factor: float = Field(1.0, ge=0, description="the overlong penalty at max_completion_length")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO's dynamic sampling (verl's filter_groups): groups whose rewards all agree are not "
+        "trained on; more prompts are sampled until the batch is full of informative groups")
+    max_oversampling: float = Field(
+        3.0, ge=1, description="with dynamic_sampling, at most this many × unique_prompts prompts per batch; then "
+        "the batch is filled with filtered groups (metric dynamic_sampling/filled)")
     vllm_importance_sampling_mode: Literal[
         "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
     ] = Field("token_truncate", description="TIS variant (TRL's names)")

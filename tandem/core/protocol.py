@@ -74,8 +74,9 @@ def pack_completions(completions: list[np.ndarray]) -> tuple[np.ndarray, np.ndar
     return flat, offsets
 
 
-def group_meta(r: RolloutGroup | RolloutFailure) -> dict:
-    """The few numbers the controller needs about a group without fetching its payload."""
+def group_meta(r: RolloutGroup | RolloutFailure, informative: bool = True) -> dict:
+    """The few numbers the controller needs about a group without fetching its payload; `informative`:
+    its rewards differ (tandem.core.shaping.is_informative), for dynamic sampling."""
     if isinstance(r, RolloutFailure):
         return {"failure": r.message}
-    return {"version": r.version, "tokens": int(len(r.tokens)), "group_id": r.group_id}
+    return {"version": r.version, "tokens": int(len(r.tokens)), "group_id": r.group_id, "informative": informative}

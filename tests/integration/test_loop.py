@@ -167,3 +167,48 @@ def test_tandem_scale_and_status_reach_the_running_job(ray_session, tmp_path, ti
     assert main(["status", str(job)]) == 2
     assert f"no running job writes to {cfg.logging.output_dir!r}" in capsys.readouterr().err
 
+
+
+def ds_job(tmp_path, model, reward_src, **grpo):
+    rew = tmp_path / "ds_reward.py"
+    rew.write_text(reward_src)
+    return make_job(tmp_path, model, [f"{rew}:r"],
+                    batch={"per_device_train_batch_size": 8, "num_generations": 4, "max_steps": 3},
+                    cluster={"num_rollout_workers": 1, "max_staleness": 0},
+                    generation={"max_completion_length": 8}, optimizer={"learning_rate": 1e-2},
+                    grpo={"dynamic_sampling": True, **grpo},
+                    logging={"output_dir": str(tmp_path / "run"), "progress": False})
+
+
+def test_dynamic_sampling_trains_only_informative_groups(ray_session, tmp_path, tiny_model):
+    """DAPO's dynamic sampling: prompts whose completions all get the same reward (even dataset rows here)
+    are not trained on; more prompts are sampled until the batch is full; every prompt is trained, filtered
+    or pending, once per epoch."""
+    src = ("def r(completions, answer, **kw):\n"
+           "    if answer[0] % 4 == 0:\n        return [1.0] * len(completions)\n"
+           "    return [float(len(c) % 3) + 0.1 * i for i, c in enumerate(completions)]\n")
+    ctl = started(Controller(ds_job(tmp_path, tiny_model, src, max_oversampling=8.0)))
+    for _ in range(3):
+        r = ctl.step()
+    assert r["done"] and len(ctl.seen) == 3 * ctl.plan.unique_prompts
+    assert all(i % 2 == 1 for _, i, _ in ctl.seen), ctl.seen  # answer = 2·index: odd rows vary
+    assert ctl.filtered and all(i % 2 == 0 for _, i, _ in ctl.filtered)
+    assert ctl.counters["groups_filtered"] == len(ctl.filtered) and not ctl.counters["groups_filled"]
+    for s in r["steps"]:
+        assert s["frac_reward_zero_std"] == 0.0 and s["dynamic_sampling/filled"] == 0
+    used = [(e, i) for e, i, _ in ctl.seen + ctl.filtered] + [(e, i) for i, e in pending(ctl)]
+    assert len(used) == len(set(used)), "a prompt was used twice in one epoch"
+    ctl.shutdown()
+
+
+def test_dynamic_sampling_is_bounded(ray_session, tmp_path, tiny_model):
+    """All groups uninformative: after max_oversampling × unique_prompts prompts the batch is filled with
+    filtered groups (advantage 0) and the metrics say so, rather than sampling forever."""
+    src = "def r(completions, **kw):\n    return [0.5] * len(completions)\n"
+    cfg = ds_job(tmp_path, tiny_model, src, max_oversampling=2.0)
+    ctl = started(Controller(cfg))
+    s = ctl.step()["steps"][-1]
+    U = ctl.plan.unique_prompts
+    assert s["dynamic_sampling/prompts_sampled"] == 2 * U and s["dynamic_sampling/filled"] == U
+    assert ctl.counters["groups_filled"] == U and len(ctl.filtered) == U  # the other U: used, not trained
+    ctl.shutdown()

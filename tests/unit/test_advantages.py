@@ -105,11 +105,11 @@ def test_bad_arguments_named():
 
 
 def test_overlong_penalty_is_dapos_formula_in_float64():
-    from tandem.learner.advantages import overlong_penalty
+    from tandem.core.shaping import overlong_penalty
 
     L, buf, k = 20, 8, 0.5
     lengths = torch.arange(0, 26)
-    got = overlong_penalty(lengths, L, buf, k)
+    got = torch.from_numpy(overlong_penalty(lengths.numpy(), L, buf, k))
     want = torch.tensor([0.0 if n <= L - buf else -k * (n - (L - buf)) / buf for n in range(26)],
                         dtype=torch.float64)  # verl: min(-(n - expected) / buffer * factor, 0)
     assert got.dtype == torch.float64 and torch.equal(got, want)
