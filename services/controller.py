@@ -65,7 +65,6 @@ class Controller:
         self._filler: list = []  # this batch's filtered groups, to fill it when the oversampling bound is hit
         self._sampled = 0  # prompts handed out for the batch being gathered
         self.pool = None
-        self._publishing: tuple = ([], 0.0)  # (set_adapter refs of the newest version, when it was exported)
         self._publish_latency = 0.0
 
     @one_at_a_time
@@ -161,9 +160,7 @@ class Controller:
         # its requests run on, so every worker serves the new version before the next cycle begins (with
         # max_staleness 0, before any of its prompts goes out).
         t2 = time.time()
-        self.version, adapter_ref = self.learner.export_adapter()
-        self._publishing = (self.pool.publish(self.version, adapter_ref), time.time())
-        self._settle_publish(timeout=None)
+        self._publish()
         self.cycle += 1
         done_run = self.cycle >= self.total_cycles
         publish_s = time.time() - t2
@@ -232,11 +229,14 @@ class Controller:
             self.counters["stale_dropped"] += 1
             self.source.requeue(m["index"], m["epoch"])
 
-    def _settle_publish(self, timeout: float | None) -> None:
-        refs, exported_at = self._publishing
-        if refs and self.pool.settle(refs, timeout):
-            self._publish_latency = time.time() - exported_at
-            self._publishing = ([], 0.0)
+    def _publish(self) -> None:
+        """The learner's newest adapter to every worker; publish_latency_s: from its export to every worker
+        serving it. Prompts a worker that died on it held are handed out again."""
+        self.version, adapter_ref = self.learner.export_adapter()
+        exported = time.time()
+        for it in self.pool.publish(self.version, adapter_ref):
+            self.source.requeue(it.index, it.epoch, front=True)
+        self._publish_latency = time.time() - exported
 
     # ------------------------------------------------------------------------------ metrics
 
@@ -306,9 +306,7 @@ class Controller:
         self.counters.clear()
         self.counters.update(st["counters"])
         if self.version > 0:
-            self.version, ref = self.learner.export_adapter()
-            self._publishing = (self.pool.publish(self.version, ref), time.time())
-            self._settle_publish(timeout=None)
+            self._publish()
         return True
 
     @one_at_a_time

@@ -141,8 +141,6 @@ class RolloutPool:
         for i in range(len(self.slots)):
             s = self.slots[i]
             for ref in [r for r in s.in_flight if r in done]:
-                if ref not in s.in_flight:  # the slot was replaced meanwhile
-                    continue
                 item, group = s.in_flight.pop(ref)
                 try:
                     meta = self.ray.get(ref)
@@ -156,35 +154,25 @@ class RolloutPool:
     # ----------------------------------------------------------------------------- publishing
 
     def publish(self, version: int, adapter_ref) -> list:
-        """Every worker is sent the new version; -> the refs of those calls, which resolve once each
-        serves it (requests already running finish on their version)."""
+        """Every worker serves the new version once this returns (each loads it between two engine steps:
+        no generation is waited for); a worker still starting gets it after its setup. A worker that died
+        is replaced (the new one starts with this version); -> the prompts it held, to hand out again."""
         self.version, self.adapter_ref = version, adapter_ref
-        return [s.actor.set_adapter.remote(version, adapter_ref) for s in self.slots if s.ready is None]
-
-    def settle(self, refs: list, timeout: float | None) -> bool:
-        """Whether every publish call in `refs` has returned; a worker that died on it is replaced (the new
-        one starts with the current adapter)."""
-        if not refs:
-            return True
-        done, rest = self.ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        if rest:
-            return False
-        for ref in done:
+        serving = {}
+        for i, s in enumerate(self.slots):
+            ref = s.actor.set_adapter.remote(version, adapter_ref)
+            if s.ready is None:
+                serving[i] = ref
+            else:
+                s.ready = ref  # set_adapter waits for setup inside the actor: it serves once both are done
+        lost = []
+        for i, ref in serving.items():
             try:
                 self.ray.get(ref)
             except self.ray.exceptions.RayError:
                 self.counters["worker_failures"] += 1
-                for i, s in enumerate(self.slots):
-                    if not self._alive(s):
-                        self._replace(i)
-        return True
-
-    def _alive(self, s: Slot) -> bool:
-        try:
-            self.ray.get(s.actor.health.remote(), timeout=30)
-            return True
-        except Exception:  # noqa: BLE001 - dead or unreachable
-            return False
+                lost += self._replace(i)
+        return lost
 
     def stats(self) -> list[dict]:
         refs = [s.actor.stats.remote() for s in self.slots if s.ready is None]

@@ -138,6 +138,20 @@ def test_scale_up_and_down_loses_nothing(ray_session, tmp_path, tiny_model):
     ctl.shutdown()
 
 
+def test_a_worker_starting_during_a_publish_serves_the_new_version(ray_session, tmp_path, tiny_model):
+    """A worker added by `tandem scale` that is still starting when an adapter is published gets that
+    version after its setup, not the one current when it was created."""
+    cfg = loop_job(tmp_path, tiny_model, 0, cluster={"num_rollout_workers": 1}, batch={"max_steps": 2})
+    ctl = started(Controller(cfg))
+    ctl.scale(2)
+    ctl.pool.apply_scale()
+    assert ctl.pool.slots[1].ready is not None  # its engine takes seconds to start; the cycle does not wait
+    ctl.step()  # publishes version 1
+    ray_session.get([s.ready for s in ctl.pool.slots if s.ready is not None])
+    assert ray_session.get(ctl.workers[1].health.remote())["version"] == ctl.version == 1
+    ctl.shutdown()
+
+
 def test_tandem_scale_and_status_reach_the_running_job(ray_session, tmp_path, tiny_model, capsys):
     """The CLI finds a running job's Controller by its run directory (a named actor) on the cluster."""
     import yaml
