@@ -122,6 +122,8 @@ class Learner:
                 opt, lr_lambda(o.lr_scheduler_type, warm, self._total_steps)),
         )
         self.device = self.engine.device  # batches are collated on the host and moved here
+        self._n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: full sizes
+        self._peak_flops = _peak_flops(self.device)
         self.ref = load_frozen_reference(cfg).to(self.device) if (cfg.grpo.beta > 0 and cfg.model.lora is None) else None
         from transformers import AutoTokenizer
 
@@ -259,11 +261,9 @@ class Learner:
         """learner/tokens_per_s: prompt + completion tokens through this rank's training passes per second;
         learner/mfu: 6·N·tokens/s over the GPU's dense bf16 peak (N all parameters, nanoGPT's convention;
         the old-log-prob forward not counted), None where the peak is not known (CPU)."""
-        n = getattr(self, "_n_params", None) or sum(p.numel() for p in self.model.parameters())
-        self._n_params = n
         rate = tokens / max(seconds, 1e-9)
-        peak = _peak_flops(self.device)
-        return {"learner/tokens_per_s": rate, "learner/mfu": (6 * n * rate / peak) if peak else None}
+        return {"learner/tokens_per_s": rate,
+                "learner/mfu": (6 * self._n_params * rate / self._peak_flops) if self._peak_flops else None}
 
     def _reduce(self, acc: dict, loss_sum: float) -> dict:
         """Token-weighted means over micro-steps and ranks; min/max reduced as such."""

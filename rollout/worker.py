@@ -121,12 +121,7 @@ class RolloutWorker:
         running: dict[int, _Request] = {}
         next_key = 0
         while not self._stop.is_set():
-            busy = bool(running)
-            try:  # block only when the engine has nothing to do
-                first = self._inbox.get(block=not busy, timeout=None if not busy else 0)
-            except queue.Empty:
-                first = None
-            cmds = [first] if first is not None else []
+            cmds = [] if running else [self._inbox.get()]  # block only when the engine has nothing to do
             while True:
                 try:
                     cmds.append(self._inbox.get_nowait())
@@ -145,7 +140,7 @@ class RolloutWorker:
                     next_key += 1
                 else:
                     batch.append(cmd[1])
-            t0 = time.time()
+            t0, worked = time.time(), bool(batch or running)
             try:
                 if batch:
                     self._generate_batch(batch)
@@ -157,7 +152,7 @@ class RolloutWorker:
                     req.error = e
                     req.done.set()
                 running.clear()
-            if batch or running or busy:
+            if worked:
                 with self._lock:
                     self._times["busy_s"] += time.time() - t0
 
@@ -195,9 +190,8 @@ class RolloutWorker:
                 if self.cfg.model.lora is not None:
                     self.engine.load_adapter(version, tensors)
                     # versions nobody samples with any more leave the engine (the newest stays)
-                    stale = [v for v in getattr(self.engine, "adapter_versions", []) if v < version and not self._inuse[v]]
-                    if stale and hasattr(self.engine, "drop_adapters"):
-                        self.engine.drop_adapters(stale)
+                    self.engine.drop_adapters([v for v in self.engine.adapter_versions
+                                               if v < version and not self._inuse[v]])
                 else:
                     self.engine.load_weights(version, tensors)
                 self.version = version

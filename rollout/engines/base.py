@@ -47,5 +47,13 @@ class Engine:
     def load_weights(self, version: int, tensors: dict) -> None:
         raise NotImplementedError
 
+    @property
+    def adapter_versions(self) -> list[int]:
+        """Adapter versions loaded now (an engine that holds one at a time: none to drop)."""
+        return []
+
+    def drop_adapters(self, versions) -> None:
+        """Unload these adapter versions (no request uses them any more)."""
+
     def close(self) -> None:
         pass
