@@ -130,13 +130,13 @@ def cpu_busy_sampler():
 # ---------------------------------------------------------------------------------- candidates
 
 
-def run_tandem(paths, wl, k, args) -> dict:
+def tandem_config(paths, wl, k, args):
+    """The workload as a Tandem job (max_staleness k)."""
     from tandem.core.config import JobConfig
-    from tandem.services.run import start_controller, start_ray
 
     gpu = args.workload == "gpu"
     res = lambda g: {"num_cpus": 1, "num_gpus": g}
-    cfg = JobConfig.from_dict({
+    return JobConfig.from_dict({
         "model": {"path": paths["model"], "dtype": wl["model"]["dtype"], "lora": wl["lora"]},
         "data": {"path": paths["data"]}, "rewards": [REWARD],
         "generation": {"temperature": 1.0, "max_prompt_length": 64, "max_completion_length": wl["max_tokens"]},
@@ -150,7 +150,15 @@ def run_tandem(paths, wl, k, args) -> dict:
                     "vllm_gpu_memory_utilization": args.vllm_memory},
         "logging": {"output_dir": str(Path(args.dir) / f"run-k{k}"), "progress": False},
     })
+
+
+def run_tandem(paths, wl, k, args) -> dict:
     import shutil
+
+    from tandem.services.run import start_controller, start_ray
+
+    gpu = args.workload == "gpu"
+    cfg = tandem_config(paths, wl, k, args)
 
     shutil.rmtree(cfg.logging.output_dir, ignore_errors=True)
     ray = start_ray(None, cfg)

@@ -44,6 +44,10 @@ def build_engine(cfg, seed: int):
     return HFEngine(m.path, dtype=m.dtype, lora=m.lora, seed=seed)
 
 
+ARRIVAL_GAP_S = 0.005  # an idle engine starts once no prompt arrived for this long ...
+ARRIVAL_WINDOW_S = 0.05  # ... or this long after the first one
+
+
 class _Request:
     """A prompt between its arrival and its completions: the calling thread waits on `done`."""
 
@@ -85,22 +89,35 @@ class RolloutWorker:
             raise_if(reward_errors(self.cfg))  # one line naming the function, before the engine starts
             self.rewards = RewardFunctions(self.cfg.rewards)
             self.tok = AutoTokenizer.from_pretrained(self.cfg.model.path)
+        except BaseException as e:
+            self._setup_error = e
+            self._ready.set()
+            raise
+        self._inuse: Counter = Counter()  # adapter version -> requests running on it
+        self._loop_thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._loop_thread.start()
+        self._ready.wait()
+        if self._setup_error is not None:
+            raise self._setup_error
+        return self.health()
+
+    def _run(self) -> None:
+        """The engine is built by the thread that steps it: vLLM's CPU backend pins the OpenMP threads
+        of the thread that starts it, and CUDA graphs replay on the stream of the thread that captured them."""
+        try:
             t0 = time.time()
             self.engine = build_engine(self.cfg, seed=self.cfg.seed + 1000 * self.worker_id)
             self._times["engine_start_s"] = time.time() - t0
             print(f"RolloutWorker {self.worker_id}: {type(self.engine).__name__} started in "
                   f"{self._times['engine_start_s']:.1f} s", flush=True)
-        except BaseException as e:
+            self._streams = hasattr(self.engine, "add")
+        except BaseException as e:  # noqa: BLE001 - raised by setup in the caller's thread
             self._setup_error = e
             self._ready.set()
-            raise
-        self._streams = hasattr(self.engine, "add")
-        self._inuse: Counter = Counter()  # adapter version -> requests running on it
-        self._loop_thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
-        self._loop_thread.start()
+            return
         self._started_at = time.time()
         self._ready.set()
-        return self.health()
+        self._loop()
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -121,7 +138,7 @@ class RolloutWorker:
         running: dict[int, _Request] = {}
         next_key = 0
         while not self._stop.is_set():
-            cmds = [] if running else [self._inbox.get()]  # block only when the engine has nothing to do
+            cmds = [] if running else self._arrivals()
             while True:
                 try:
                     cmds.append(self._inbox.get_nowait())
@@ -155,6 +172,20 @@ class RolloutWorker:
             if worked:
                 with self._lock:
                     self._times["busy_s"] += time.time() - t0
+
+    def _arrivals(self) -> list:
+        """With the engine idle: the first command, then whatever follows it closely. A burst of prompts
+        (a cycle handed out at once) then starts in one engine step: stepping on the first prompt alone
+        holds the GIL that Ray's call threads need to deliver the rest, spreading their start (and the
+        cycle's end) over hundreds of milliseconds on a GPU (bench/rollout.py)."""
+        cmds = [self._inbox.get()]
+        end = time.monotonic() + ARRIVAL_WINDOW_S
+        while cmds[-1] is not None and cmds[-1][0] == "request" and (left := end - time.monotonic()) > 0:
+            try:
+                cmds.append(self._inbox.get(timeout=min(left, ARRIVAL_GAP_S)))
+            except queue.Empty:
+                break
+        return cmds
 
     def _adapter_for(self, version: int):
         return version if (version > 0 and self.cfg.model.lora is not None) else None
@@ -291,7 +322,7 @@ class RolloutWorker:
         return out
 
 
-def rollout_actor_class(cfg):
+def rollout_actor_class(cfg, cls=RolloutWorker):
     """RolloutWorker as a threaded Ray actor asking for the job's rollout resources: one thread per
     prompt in flight, plus publishing, health and stats."""
     import ray
@@ -299,7 +330,7 @@ def rollout_actor_class(cfg):
     r = cfg.cluster.rollout_resources
     return ray.remote(num_cpus=r.num_cpus, num_gpus=r.num_gpus, resources=r.resources or None,
                       runtime_env={"env_vars": rollout_env_vars(r.num_gpus)},
-                      max_concurrency=prompts_in_flight(cfg) + 8)(RolloutWorker)
+                      max_concurrency=prompts_in_flight(cfg) + 8)(cls)
 
 
 def prompts_in_flight(cfg) -> int:
