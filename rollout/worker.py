@@ -152,7 +152,12 @@ class RolloutWorker:
                     self._load(*cmd[1:])  # never raises: the caller of set_adapter hears of a failure
                 elif self._streams:
                     req = cmd[1]
-                    self._start(next_key, req)
+                    try:
+                        self._start(next_key, req)
+                    except Exception as e:  # noqa: BLE001 - refused by the engine (bad sampling, too long): its
+                        req.error = e  # caller hears it; the loop and every other request go on
+                        req.done.set()
+                        continue
                     running[next_key] = req
                     next_key += 1
                 else:

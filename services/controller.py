@@ -7,7 +7,8 @@ other (prime-rl's orchestrator; torchforge's two loops around a buffer):
   GroupBuffer    scored groups waiting for the learner; staleness decided there
   LearnerGroup   training (learner/)
   Checkpointer   when, where, how many, what to resume from
-  RunLog         metrics.jsonl and the Ray metrics
+  RunLog         metrics.jsonl, the Ray metrics and the trackers of logging.report_to (Trackers)
+  Evaluator      the eval prompts on the workers serving the newest adapter, every eval.eval_steps
 
 The controller moves object refs, never payloads: a group goes from its worker's object store to the
 learner's. Every prompt handed out is either trained on once or handed out again (worker died, group
@@ -27,10 +28,12 @@ from tandem.core.plan import BatchPlan
 from tandem.core.protocol import PromptItem
 from tandem.services.checkpointer import Checkpointer
 from tandem.services.data import check_rows, load_rows
+from tandem.services.evaluator import Evaluator
 from tandem.services.group_buffer import GroupBuffer
 from tandem.services.prompt_source import PromptSource, PromptTable
 from tandem.services.rollout_pool import RolloutPool
 from tandem.services.run_log import EXPORTED, RunLog, rollout_rates, series_name  # noqa: F401 - deploy/ reads EXPORTED
+from tandem.services.trackers import Trackers
 
 
 def one_at_a_time(method):
@@ -65,6 +68,7 @@ class Controller:
         self._filler: list = []  # this batch's filtered groups, to fill it when the oversampling bound is hit
         self._sampled = 0  # prompts handed out for the batch being gathered
         self.pool = None
+        self.evaluator = None
         self._publish_latency = 0.0
 
     @one_at_a_time
@@ -80,15 +84,20 @@ class Controller:
         if cfg.logging.overwrite_output_dir and not cfg.checkpoint.resume:
             self._clear_run_dir()
         self.out.mkdir(parents=True, exist_ok=True)
-        rows = load_rows(cfg.data.path)
-        check_rows(rows, cfg.data.prompt_column, cfg.data.path)
         tok = AutoTokenizer.from_pretrained(cfg.model.path)
         pc = cfg.data.prompt_column
-        # Tokenised once, here; workers receive token ids.
-        self.table = PromptTable(rows, [tokenize_prompt(tok, r[pc], max_prompt_length=cfg.generation.max_prompt_length,
-                                                        truncate=cfg.data.truncate_long_prompts, row=i)
-                                        for i, r in enumerate(rows)], pc)
+
+        def table(path: str) -> PromptTable:  # tokenised once, here; workers receive token ids
+            rows = load_rows(path)
+            check_rows(rows, pc, path)
+            return PromptTable(rows, [tokenize_prompt(tok, r[pc], max_prompt_length=cfg.generation.max_prompt_length,
+                                                      truncate=cfg.data.truncate_long_prompts, row=i)
+                                      for i, r in enumerate(rows)], pc)
+        self.table = table(cfg.data.path)
+        rows = self.table.rows
         self.source = PromptSource(len(rows), cfg.seed, cfg.data.shuffle)
+        if cfg.eval.path is not None:
+            self.evaluator = Evaluator(cfg, table(cfg.eval.path), tok)
         U = self.plan.unique_prompts
         if cfg.batch.max_steps > 0:
             self.total_cycles = -(-cfg.batch.max_steps // self.plan.optimizer_steps_per_cycle)
@@ -106,6 +115,7 @@ class Controller:
         self.learner = learner
         self.pool = RolloutPool(lambda slot: start_rollout_worker(cfg, slot), prompts_in_flight(cfg), self.counters)
         self.pool.start(cfg.cluster.num_rollout_workers)
+        self.log.trackers = Trackers(cfg)
         return self.status()
 
     def _clear_run_dir(self) -> None:
@@ -127,6 +137,8 @@ class Controller:
     def step(self) -> dict:
         """One generation cycle: gather unique_prompts fresh groups, train on them, publish the adapter."""
         ray = self.pool.ray
+        if self.cycle == 0 and self.evaluator and self.cfg.eval.eval_on_start and not self.log.has_step(0):
+            self.log.write([{"step": 0, **self.evaluator.run(ray, self.pool.serving(), self.version, 0)}])
         t0 = time.time()
         U = self.plan.unique_prompts
         before = self._rollout_stats()
@@ -166,6 +178,8 @@ class Controller:
         publish_s = time.time() - t2
         steps = self._metrics(result["steps"], batch, before, wait_s=wait_s, train_s=train_s, publish_s=publish_s,
                               cycle_s=time.time() - t0)
+        if self.evaluator and self.evaluator.due(steps[0]["step"], steps[-1]["step"], done_run):
+            steps[-1].update(self.evaluator.run(ray, self.pool.serving(), self.version, steps[-1]["step"]))
         if self.cfg.grpo.dynamic_sampling:
             steps = [dict(st, **{"dynamic_sampling/prompts_sampled": sampled, "dynamic_sampling/filled": filled})
                      for st in steps]
@@ -314,4 +328,6 @@ class Controller:
         """Stop the rollout workers and the learner."""
         if self.pool:
             self.pool.shutdown()
+        if self.log.trackers is not None:
+            self.log.trackers.close()
         self.learner.shutdown()

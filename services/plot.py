@@ -1,4 +1,5 @@
-"""The end-of-run plot: reward (mean ± std), KL, clip fraction, completion length per step."""
+"""The end-of-run plot: reward (mean ± std, eval reward when evaluated), KL, clip fraction, completion length
+per step."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ def plot_run(metrics_path: str | Path, out_png: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(metrics_path)
+    everything = read_metrics(metrics_path)
+    rows = [r for r in everything if "reward" in r]  # training steps (step 0 of eval_on_start has none)
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(2, 2, figsize=(10, 6.5))
     rew = [r["reward"] for r in rows]
@@ -24,7 +26,11 @@ def plot_run(metrics_path: str | Path, out_png: str | Path) -> Path:
     ax[0, 0].plot(steps, rew, color="C0")
     ax[0, 0].fill_between(steps, [a - b for a, b in zip(rew, std)], [a + b for a, b in zip(rew, std)],
                           color="C0", alpha=0.2)
-    ax[0, 0].set_title("reward (mean ± std)")
+    ev = [(r["step"], r["eval/reward"]) for r in everything if "eval/reward" in r]
+    if ev:
+        ax[0, 0].plot(*zip(*ev), "o-", color="C4", label="eval")
+        ax[0, 0].legend(loc="lower right")
+    ax[0, 0].set_title("reward (mean ± std)" + (", eval reward" if ev else ""))
     ax[0, 1].plot(steps, [r.get("kl", 0.0) for r in rows], color="C1")
     ax[0, 1].set_title("KL to reference" if any("kl" in r for r in rows) else "KL (beta = 0: not computed)")
     ax[1, 0].plot(steps, [r.get("clip_ratio/region_mean", 0.0) for r in rows], color="C2")

@@ -47,6 +47,10 @@ class RolloutPool:
     def workers(self) -> list:
         return [s.actor for s in self.slots]
 
+    def serving(self) -> list:
+        """The workers that serve the current version (not those still starting)."""
+        return [s.actor for s in self.slots if s.ready is None]
+
     def _new(self, i: int) -> Slot:
         actor, ready = self._start(i)
         if self.adapter_ref is not None:  # after setup inside the actor: set_adapter waits for it

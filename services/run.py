@@ -169,11 +169,17 @@ def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:
     ray.kill(ctl)  # frees its name
     out_dir = Path(cfg.logging.output_dir)
     png = plot_run(out_dir / "metrics.jsonl", out_dir / "reward.png")
-    rows = read_metrics(out_dir / "metrics.jsonl")
+    lines = read_metrics(out_dir / "metrics.jsonl")
+    rows = [r for r in lines if "reward" in r]  # training steps
     k = min(10, max(len(rows) // 2, 1))
     r0 = sum(r["reward"] for r in rows[:k]) / k
     r1 = sum(r["reward"] for r in rows[-k:]) / k
     print(f"reward: first {k} steps {r0:.3f} -> last {k} steps {r1:.3f} ({r1 - r0:+.3f})", file=out)
+    evals = [(r["step"], r["eval/reward"]) for r in lines if "eval/reward" in r]
+    if evals:
+        shown = evals if len(evals) <= 6 else evals[:1] + evals[-5:]
+        print("eval reward: " + ", ".join(f"step {s} {v:.3f}" for s, v in shown) +
+              f"  (completions: {out_dir / 'eval'})", file=out)
     print(f"steps: {len(rows)}, wall: {time.time() - t_start:.0f} s", file=out)
     print(f"metrics: {out_dir / 'metrics.jsonl'}  plot: {png}  checkpoint: {path}", file=out)
     if artifact is not None and artifact.name == ADAPTER_DIR:

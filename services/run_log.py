@@ -10,7 +10,8 @@ from pathlib import Path
 # page; Prometheus scrapes them as ray_<series_name>; deploy/grafana/tandem.json plots them)
 EXPORTED = ("reward", "reward_std", "kl", "clip_ratio/region_mean", "completion_length", "loss", "entropy",
             "publish_latency_s", "queue_depth", "prompts_in_flight", "rollout/gen_tokens_per_s",
-            "rollout/busy_frac", "learner/tokens_per_s", "learner/mfu", "version")
+            "rollout/busy_frac", "learner/tokens_per_s", "learner/mfu", "version", "eval/reward", "eval/reward_std",
+            "eval/completion_length")
 
 
 def series_name(key: str) -> str:
@@ -37,15 +38,26 @@ def rollout_rates(before: dict, after: dict) -> dict:
 
 
 class RunLog:
+    """`trackers` (services/trackers.py, started with the job) get each line after metrics.jsonl."""
+
     def __init__(self, path: Path):
         self.path = path
+        self.trackers = None
         self._gauges: dict = {}
+
+    def has_step(self, step: int) -> bool:
+        if not self.path.is_file():
+            return False
+        return any(json.loads(x).get("step") == step for x in self.path.read_text().splitlines() if x.strip())
 
     def write(self, steps: list[dict]) -> None:
         now = time.time()
+        lines = [{"time": now, **s} for s in steps]
         with open(self.path, "a") as f:
-            for s in steps:
-                f.write(json.dumps({"time": now, **s}) + "\n")
+            for line in lines:
+                f.write(json.dumps(line) + "\n")
+        if self.trackers is not None:
+            self.trackers.log(lines)
         try:
             from ray.util.metrics import Gauge
 

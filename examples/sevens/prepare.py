@@ -58,6 +58,9 @@ def main(out: str) -> None:
     t0 = time.time()
     root = Path(out)
     model_dir = root / "model"
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "eval.jsonl", "w") as f:  # the eval set: each prompt once (eval samples 8 per prompt)
+        f.write("".join(json.dumps({"prompt": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS))
     if (model_dir / "warm.json").is_file():
         print(f"model ready: {model_dir}")
         return

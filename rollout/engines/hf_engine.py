@@ -42,8 +42,11 @@ class HFEngine(Engine):
         kw = dict(do_sample=True, max_new_tokens=sampling.max_tokens, num_return_sequences=sampling.n,
                   repetition_penalty=sampling.repetition_penalty, output_scores=True, return_dict_in_generate=True,
                   eos_token_id=self.eos_id, pad_token_id=self.pad_id)
-        kw.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or 0,
-                  min_p=sampling.min_p)
+        if sampling.temperature == 0:  # greedy (evaluation): the most likely token, as vLLM's temperature 0
+            kw.update(temperature=1.0, top_k=1)
+        else:
+            kw.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or 0,
+                      min_p=sampling.min_p)
         results = []
         for p in prompts:  # one prompt at a time: no left padding to reason about
             ids = torch.as_tensor(np.asarray(p, dtype=np.int64), device=self.device).unsqueeze(0)

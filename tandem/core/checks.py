@@ -21,14 +21,31 @@ def model_error(cfg: JobConfig) -> str | None:
     return None
 
 
-def data_error(cfg: JobConfig) -> str | None:
-    v = cfg.data.path
+def data_error(cfg: JobConfig, field: str = "data.path") -> str | None:
+    v = cfg.data.path if field == "data.path" else cfg.eval.path
+    if v is None:
+        return None
     p = Path(v)
     if not p.exists():
-        return f"data.path = {v!r}: no such file or directory"
+        return f"{field} = {v!r}: no such file or directory"
     if p.is_file() and p.suffix not in DATA_SUFFIXES:
-        return f"data.path = {v!r}: file type {p.suffix!r} not supported; allowed {' '.join(DATA_SUFFIXES)}"
+        return f"{field} = {v!r}: file type {p.suffix!r} not supported; allowed {' '.join(DATA_SUFFIXES)}"
     return None
+
+
+TRACKER_EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+                  "mlflow": ("mlflow", "mlflow")}  # report_to name -> (module, tandem extra)
+
+
+def tracker_errors(cfg: JobConfig) -> list[str]:
+    """Each tracker in logging.report_to needs its package (an optional extra)."""
+    out = []
+    for name in cfg.logging.report_to:
+        module, extra = TRACKER_EXTRAS[name]
+        if importlib.util.find_spec(module) is None:
+            out.append(f"logging.report_to = {name!r}: the {module!r} package is not installed; "
+                       f"pip install 'tandem[{extra}]' (or remove {name!r} from report_to)")
+    return out
 
 
 def reward_errors(cfg: JobConfig) -> list[str]:
@@ -84,7 +101,8 @@ def run_dir_error(cfg: JobConfig) -> str | None:
 
 def check_inputs(cfg: JobConfig) -> None:
     """Model, data and reward functions as this machine sees them, and a run directory of its own."""
-    raise_if([model_error(cfg), data_error(cfg), *reward_errors(cfg), run_dir_error(cfg)])
+    raise_if([model_error(cfg), data_error(cfg), data_error(cfg, "eval.path"), *reward_errors(cfg),
+              *tracker_errors(cfg), run_dir_error(cfg)])
 
 
 def check_learner_device(cfg: JobConfig) -> None:

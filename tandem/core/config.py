@@ -226,6 +226,24 @@ class CheckpointConfig(_Section):
     save_final: bool = Field(True, description="write a checkpoint (and <output_dir>/adapter) at the end of the run")
 
 
+class EvalConfig(_Section):
+    """Evaluation during training: the eval prompts sampled on the rollout workers with the newest
+    adapter, scored by the job's reward functions; never trained on."""
+
+    path: str | None = Field(None, description="eval dataset (the formats of data.path, the same prompt "
+                             "column); null = no evaluation")
+    eval_steps: int = Field(0, ge=0, description="evaluate every N optimizer steps (and at the end); "
+                            "0 = at the end only")
+    num_generations: int = Field(1, ge=1, description="completions per eval prompt")
+    temperature: float | None = Field(None, ge=0, le=100, description="eval sampling temperature; "
+                                      "null = generation.temperature, 0 = greedy")
+    eval_on_start: bool = Field(False, description="also evaluate the starting policy, before the first step "
+                                "(a metrics line of step 0; TRL's name)")
+
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+
 class LoggingConfig(_Section):
     output_dir: str = Field("runs/tandem", description="run directory: metrics.jsonl, plot, checkpoints; on a "
                             "cluster a filesystem every node sees at this path")
@@ -233,6 +251,28 @@ class LoggingConfig(_Section):
     overwrite_output_dir: bool = Field(
         False, description="start over in an output_dir that holds an earlier run (its metrics and checkpoints "
         "are deleted); false = such a directory is refused unless checkpoint.resume (TRL's name)")
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list, description="experiment trackers besides metrics.jsonl (TRL's name): tensorboard "
+        "(<output_dir>/runs), wandb (offline unless WANDB_API_KEY or WANDB_MODE says otherwise), mlflow "
+        "(MLFLOW_TRACKING_URI, default <output_dir>/mlruns); 'none', 'all' or one name accepted")
+    run_name: str | None = Field(None, description="the trackers' run name; null = the output_dir's name")
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to(cls, v: Any) -> Any:
+        if v is None or v == "none":
+            return []
+        if v == "all":
+            return list(TRACKERS)
+        if isinstance(v, str):
+            v = [v]
+        if isinstance(v, list):
+            bad = [x for x in v if x not in TRACKERS and x != "none"]
+            if bad:
+                raise ValueError(f"logging.report_to = {v!r}: {bad[0]!r} is not a tracker Tandem reports to; allowed: "
+                                 f"{', '.join(TRACKERS)}, 'all' or 'none'")
+            return [x for x in dict.fromkeys(v) if x != "none"]
+        return v
 
 
 # ------------------------------------------------------------------------------------------ job
@@ -248,7 +288,9 @@ class JobConfig(_Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW and schedule (section)")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="actors and resources (section)")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="saving and resume (section)")
-    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="run directory and progress (section)")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="run directory, progress, trackers "
+                                   "(section)")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluation during training (section)")
     seed: int = Field(42, ge=0, le=2**32 - 1, description="seeds the prompt order, the engines and the learner")
 
     @field_validator("rewards")
@@ -281,6 +323,10 @@ class JobConfig(_Section):
             raise ValueError(
                 f"grpo.epsilon_high = {g.epsilon_high}: must be >= grpo.epsilon = {g.epsilon} (or null)"
             )
+        e = self.eval
+        if e.temperature == 0 and e.num_generations > 1:
+            raise ValueError(f"eval.num_generations = {e.num_generations} with eval.temperature = 0 (greedy): every "
+                             "sample would be the same; allowed: num_generations 1, or a temperature > 0")
         if b.num_generations == 2:
             warnings.warn(
                 "batch.num_generations = 2: allowed, but GRPO needs > 2 completions per prompt to work well",

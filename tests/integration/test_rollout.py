@@ -74,13 +74,26 @@ def test_sampling_parameters_applied(ray_session, worker, hf, tiny_model):
     # repetition_penalty changes the greedy outputs
     rp = ray_session.get(worker.generate.remote(its, Sampling(n=1, top_k=1, max_tokens=12, repetition_penalty=5.0)))
     assert any(a.completion(0).tolist() != b.completion(0).tolist() for a, b in zip(g, rp))
-    # min_p = 0.999: only tokens (almost) as likely as the top one survive -> greedy
-    mp = ray_session.get(worker.generate.remote(its, Sampling(n=3, temperature=1.0, min_p=0.999, max_tokens=12)))
+    # min_p = 1: only tokens as likely as the top one survive -> greedy
+    mp = ray_session.get(worker.generate.remote(its, Sampling(n=3, temperature=1.0, min_p=1.0, max_tokens=12)))
     for a, b in zip(g, mp):
         assert all(b.completion(k).tolist() == a.completion(0).tolist() for k in range(3))
     # temperature sampling differs between samples of a group
     hot = ray_session.get(worker.generate.remote(its, Sampling(n=4, temperature=1.5, max_tokens=12)))
     assert len({tuple(hot[0].completion(k).tolist()) for k in range(4)}) > 1
+
+
+def test_temperature_0_is_greedy_and_a_refused_request_leaves_the_worker_serving(ray_session, worker, hf, tiny_model):
+    """Evaluation's greedy sampling (temperature 0) is transformers' greedy on both engines; a request
+    the engine refuses (vLLM: greedy with n > 1) fails its own call, and the engine loop serves on."""
+    its = items(tiny_model, n=2)
+    g = ray_session.get(worker.generate.remote(its, Sampling(n=1, temperature=0, max_tokens=12)))
+    hf_g = hf.generate([it.prompt_ids for it in its], Sampling(n=1, temperature=0, max_tokens=12))
+    assert [grp.completion(0).tolist() for grp in g] == [h[0].tokens.tolist() for h in hf_g]
+    with pytest.raises(Exception, match="n must be 1 when using greedy sampling"):
+        ray_session.get(worker.generate.remote(its, Sampling(n=2, temperature=0, max_tokens=12)))
+    again = ray_session.get(worker.generate.remote(its, Sampling(n=1, temperature=0, max_tokens=12)))
+    assert [a.completion(0).tolist() for a in again] == [b.completion(0).tolist() for b in g]
 
 
 def random_adapter(hf, seed):
