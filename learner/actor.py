@@ -325,9 +325,7 @@ class Learner:
         self._barrier()
         self.engine.save_checkpoint(str(tmp), tag="state", save_latest=False)
         self._save_artifact(tmp)
-        torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                   tmp / f"rng_rank{self.rank}.pt")
+        save_rng(tmp / f"rng_rank{self.rank}.safetensors")
         self._barrier()
         if self.rank == 0:
             (tmp / "tandem.json").write_text(json.dumps({"version": self.version, "steps": self.steps,
@@ -357,12 +355,7 @@ class Learner:
         d = Path(directory)
         meta = json.loads((d / "tandem.json").read_text())
         self.engine.load_checkpoint(str(d), tag="state", load_optimizer_states=True, load_lr_scheduler_states=True)
-        rng = torch.load(d / f"rng_rank{self.rank}.pt", weights_only=False)
-        torch.set_rng_state(rng["torch"])
-        np.random.set_state(rng["numpy"])
-        random.setstate(rng["python"])
-        if rng.get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        load_rng(d / f"rng_rank{self.rank}.safetensors")
         self.version, self.steps = meta["version"], meta["steps"]
         return meta
 
@@ -371,6 +364,38 @@ class Learner:
             import torch.distributed as dist
 
             dist.barrier()
+
+
+def save_rng(path: Path) -> None:
+    """Every RNG of this process in a safe format (safetensors + JSON metadata): loading runs no code."""
+    from safetensors.torch import save_file
+
+    np_state = np.random.get_state()
+    tensors = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64))}
+    if torch.cuda.is_available():
+        tensors.update({f"cuda_{i}": t for i, t in enumerate(torch.cuda.get_rng_state_all())})
+    meta = {"numpy": json.dumps([np_state[0], *[float(x) if isinstance(x, float) else int(x) for x in np_state[2:]]]),
+            "python": json.dumps(random.getstate())}
+    save_file(tensors, str(path), metadata=meta)
+
+
+def load_rng(path: Path) -> None:
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing (a checkpoint written before RNG states were safetensors, or "
+                                "an incomplete one)")
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    torch.set_rng_state(t["torch"])
+    name, pos, has_gauss, cached = json.loads(meta["numpy"])
+    np.random.set_state((name, t["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
+    version, state, gauss = json.loads(meta["python"])
+    random.setstate((version, tuple(state), gauss))
+    cuda = [t[k] for k in sorted((k for k in t if k.startswith("cuda_")), key=lambda k: int(k[5:]))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
 
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12}

@@ -6,8 +6,64 @@ therefore see the same `checkpoint_dir` (a filesystem shared by every node: READ
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 from pathlib import Path
+
+# what may change between a run and its resume without changing what was trained or the data order
+RESUMABLE_CHANGES = {("batch", "max_steps"), ("batch", "num_train_epochs"), ("checkpoint", None), ("logging", None),
+                     ("cluster", "num_rollout_workers"), ("cluster", "address"), ("cluster", "rollout_resources"),
+                     ("cluster", "rollout_prompts_in_flight"), ("cluster", "vllm_enforce_eager"),
+                     ("cluster", "vllm_gpu_memory_utilization"), ("cluster", "vllm_max_num_seqs"), ("eval", None)}
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _files_digest(path: Path, names=None) -> str:
+    """Content hash of a file, or of a directory's files (those named, when given)."""
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file()
+                                                 and (names is None or f.name in names))
+    for f in files:
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def fingerprint(cfg, n_rows: int) -> dict:
+    """What determines the data order and the training: the job's training settings, the dataset (path,
+    rows, content), the seed, the model and tokenizer files. Kept in every checkpoint; resume compares."""
+    d = cfg.model_dump(mode="json")
+    training = {sec: ({k: v for k, v in val.items() if (sec, k) not in RESUMABLE_CHANGES}
+                      if isinstance(val, dict) else val)
+                for sec, val in d.items() if (sec, None) not in RESUMABLE_CHANGES and sec not in ("data", "seed")}
+    model = Path(cfg.model.path)
+    return {"job": _digest(training), "data.path": str(Path(cfg.data.path).resolve()), "data rows": n_rows,
+            "data content": _files_digest(Path(cfg.data.path)), "data order": _digest([d["data"], d["seed"]]),
+            "model files": _files_digest(model, {"config.json", "model.safetensors", "tokenizer.json",
+                                                 "tokenizer_config.json", "special_tokens_map.json"})}
+
+
+def fingerprint_changes(saved: dict, now: dict) -> list[str]:
+    return [f"{k} ({saved.get(k)} -> {now.get(k)})" for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+
+
+def readable(ckpt: Path) -> str | None:
+    """Why a checkpoint that looks complete cannot be resumed from (a cut tandem.json, a missing part),
+    or None."""
+    try:
+        json.loads((ckpt / "tandem.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"{ckpt / 'tandem.json'}: {e}"
+    for part in ("state", "rng_rank0.safetensors"):
+        if not (ckpt / part).exists():
+            return f"{ckpt / part}: missing"
+    return None
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -40,5 +96,16 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
 
     def latest(self) -> Path | None:
-        found = complete_checkpoints(self.root)
-        return found[-1] if found else None
+        found = self.resumable()
+        return found[0] if found else None
+
+    def resumable(self) -> list[Path]:
+        """Complete checkpoints, newest first, without the unreadable ones (each named on stdout)."""
+        out = []
+        for ck in reversed(complete_checkpoints(self.root)):
+            why = readable(ck)
+            if why:
+                print(f"tandem: checkpoint {ck.name} cannot be resumed from ({why}); trying an older one", flush=True)
+            else:
+                out.append(ck)
+        return out

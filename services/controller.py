@@ -24,9 +24,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from tandem.core.config import JobConfigError
 from tandem.core.plan import BatchPlan
 from tandem.core.protocol import PromptItem
-from tandem.services.checkpointer import Checkpointer
+from tandem.services.checkpointer import Checkpointer, fingerprint, fingerprint_changes
 from tandem.services.data import check_rows, load_rows
 from tandem.services.evaluator import Evaluator
 from tandem.services.group_buffer import GroupBuffer
@@ -96,6 +97,7 @@ class Controller:
         self.table = table(cfg.data.path)
         rows = self.table.rows
         self.source = PromptSource(len(rows), cfg.seed, cfg.data.shuffle)
+        self.fingerprint = fingerprint(cfg, len(rows))
         if cfg.eval.path is not None:
             self.evaluator = Evaluator(cfg, table(cfg.eval.path), tok)
         U = self.plan.unique_prompts
@@ -292,7 +294,8 @@ class Controller:
     def state(self) -> dict:
         # Prompts in flight or buffered were not trained on: on resume they are handed out again.
         pending = [(it.index, it.epoch) for it in self.pool.pending_items()] + self.buffer.pending()
-        return {"cursor": self.source.state(pending), "cycle": self.cycle, "version": self.version,
+        return {"fingerprint": self.fingerprint, "cursor": self.source.state(pending), "cycle": self.cycle,
+                "version": self.version,
                 "next_group_id": self.table.next_group_id, "seen": self.seen, "failed": self.failed,
                 "filtered": self.filtered + [(m["epoch"], m["index"], m["version"]) for m, _ in self._filler],
                 "counters": dict(self.counters)}
@@ -307,11 +310,29 @@ class Controller:
         return path
 
     @one_at_a_time
-    def resume(self) -> bool:
-        latest = self.checkpoints.latest()
-        if latest is None:
-            return False
-        st = self.learner.load_checkpoint(str(latest))["controller"]
+    def resume(self) -> str | None:
+        """Continue from the newest checkpoint that loads (an unreadable one is named and skipped); the
+        metrics of steps after it are cut from metrics.jsonl. -> its path, or None when there is none."""
+        for ck in self.checkpoints.resumable():
+            meta = json.loads((ck / "tandem.json").read_text())
+            saved = meta["controller"].get("fingerprint")  # none in checkpoints older than fingerprints
+            changed = fingerprint_changes(saved, self.fingerprint) if saved else []
+            if changed and not self.cfg.checkpoint.allow_changed_job:
+                raise JobConfigError(f"checkpoint.resume: {ck} was written by a different job: {'; '.join(changed)}; "
+                                     "allowed: the same data, seed, model and training settings, or "
+                                     "checkpoint.allow_changed_job: true")
+            try:
+                meta = self.learner.load_checkpoint(str(ck))
+            except Exception as e:  # noqa: BLE001 - a part DeepSpeed cannot read: the older one may do
+                print(f"tandem: checkpoint {ck.name} failed to load ({str(e).splitlines()[-1][:200]}); "
+                      "trying an older one", flush=True)
+                continue
+            self._restore(meta["controller"])
+            self.log.cut_back(meta["steps"])
+            return str(ck)
+        return None
+
+    def _restore(self, st: dict) -> None:
         self.source.load(st["cursor"])
         self.cycle, self.version, self.table.next_group_id = st["cycle"], st["version"], st["next_group_id"]
         self.seen = [tuple(x) for x in st["seen"]]
@@ -321,7 +342,6 @@ class Controller:
         self.counters.update(st["counters"])
         if self.version > 0:
             self._publish()
-        return True
 
     @one_at_a_time
     def shutdown(self) -> None:

@@ -32,16 +32,16 @@ def load_rows(path: str) -> list[dict[str, Any]]:
         import pyarrow.parquet as pq
 
         return pq.read_table(p).to_pylist()
-    text = p.read_text()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save the file as UTF-8") from None
     if p.suffix == ".json":
-        data = json.loads(text)
-        if isinstance(data, dict):  # {"column": [...]} or {"data": [...]} layouts
-            if "data" in data and isinstance(data["data"], list):
-                data = data["data"]
-            else:
-                cols = list(data)
-                data = [dict(zip(cols, vals)) for vals in zip(*data.values())]
-        return list(data)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: not valid JSON: {e}") from None
+        return json_rows(data, path)
     rows = []
     for n, line in enumerate(text.splitlines(), 1):
         if line.strip():
@@ -50,6 +50,26 @@ def load_rows(path: str) -> list[dict[str, Any]]:
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}: line {n} is not valid JSON: {e}") from None
     return rows
+
+
+def json_rows(data: Any, path: str) -> list:
+    """A .json file's rows: a list of rows, {"data": [rows]}, or {column: [values]} with equal lengths.
+    Anything else is refused (a {"prompt": "hello"} object would otherwise train on 'h', 'e', 'l'...)."""
+    allowed = 'allowed: a list of rows, {"data": [rows]}, or {column: [values, ...]} with equal-length columns'
+    if isinstance(data, list):
+        return data
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: a JSON {type(data).__name__} at the top; {allowed}")
+    if isinstance(data.get("data"), list):
+        return data["data"]
+    bad = [k for k, v in data.items() if not isinstance(v, list)]
+    if bad:
+        raise DataError(f"{path}: column {bad[0]!r} is a {type(data[bad[0]]).__name__}, not a list; {allowed}")
+    lengths = {k: len(v) for k, v in data.items()}
+    if len(set(lengths.values())) > 1:
+        raise DataError(f"{path}: columns of unequal length {lengths} (rows would be dropped); {allowed}")
+    cols = list(data)
+    return [dict(zip(cols, vals)) for vals in zip(*data.values())]
 
 
 def check_rows(rows: list[dict], prompt_column: str, path: str) -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -132,7 +135,28 @@ def answered_within(fn, seconds: float):
     return box["value"]
 
 
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM (what kill, systemd, Slurm and Kubernetes send) takes Ctrl-C's path: a checkpoint, then exit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:
+    with sigterm_as_interrupt():
+        return _run_job(cfg, address, out)
+
+
+def _run_job(cfg, address: str | None, out) -> int:
     from tqdm import tqdm
 
     from tandem.services.plot import plot_run, read_metrics
@@ -142,7 +166,8 @@ def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:
     ctl = start_controller(ray, cfg)
     if cfg.checkpoint.resume:
         resumed = ray.get(ctl.resume.remote())
-        print(f"resumed from checkpoint: {resumed}", file=out)
+        print(f"resumed from checkpoint: {resumed}" if resumed else
+              f"checkpoint.resume: no checkpoint to resume from in {cfg.checkpoint_dir}; starting at step 0", file=out)
     total = ray.get(ctl.__ray_call__.remote(lambda self: self.total_cycles))
     cycle0 = ray.get(ctl.__ray_call__.remote(lambda self: self.cycle))
     bar = tqdm(total=total, initial=cycle0, desc="GRPO", unit="cycle", disable=not cfg.logging.progress, file=out)
@@ -156,6 +181,7 @@ def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:
             bar.update(1)
     except KeyboardInterrupt:
         bar.close()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the save short
         print("\ninterrupted: saving a checkpoint before stopping...", file=out)
         path = ray.get(ctl.save_checkpoint.remote())
         print(f"checkpoint: {path} (resume with --set checkpoint.resume=true)", file=out)

@@ -45,6 +45,25 @@ class RunLog:
         self.trackers = None
         self._gauges: dict = {}
 
+    def cut_back(self, step: int) -> int:
+        """On resume: lines of steps after the checkpoint's are dropped (they are trained again), and so is a
+        line a crash cut short. -> lines dropped."""
+        if not self.path.is_file():
+            return 0
+        keep, dropped = [], 0
+        for x in self.path.read_text().splitlines():
+            try:
+                ok = json.loads(x).get("step", 0) <= step
+            except ValueError:
+                ok = False
+            if ok:
+                keep.append(x)
+            dropped += not ok
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(x + "\n" for x in keep))
+        tmp.replace(self.path)
+        return dropped
+
     def has_step(self, step: int) -> bool:
         if not self.path.is_file():
             return False

@@ -10,6 +10,7 @@ CUDA) is checked by `tandem.core.checks` in the process that uses it.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from pathlib import Path
@@ -223,6 +224,8 @@ class CheckpointConfig(_Section):
     save_steps: int = Field(0, ge=0, description="save every N optimizer steps; 0 = only at the end")
     save_total_limit: int | None = Field(2, ge=1, description="checkpoints kept; null = every one (TRL's default)")
     resume: bool = Field(False, description="continue from the newest complete checkpoint")
+    allow_changed_job: bool = Field(False, description="resume even though the data, seed, model or training "
+                                    "settings differ from the checkpoint's (refused otherwise, naming what changed)")
     save_final: bool = Field(True, description="write a checkpoint (and <output_dir>/adapter) at the end of the run")
 
 
@@ -305,6 +308,8 @@ class JobConfig(_Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> JobConfig:
         g, b, c = self.grpo, self.batch, self.cluster
+        if g.reward_weights is not None and not all(math.isfinite(w) for w in g.reward_weights):
+            raise ValueError(f"grpo.reward_weights = {g.reward_weights}: every weight must be a finite number")
         if g.reward_weights is not None and self.rewards is not None and len(g.reward_weights) != len(self.rewards):
             raise ValueError(
                 f"grpo.reward_weights = {g.reward_weights}: {len(g.reward_weights)} weights for "

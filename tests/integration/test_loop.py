@@ -97,15 +97,20 @@ def test_resume_continues_order_and_version(ray_session, tmp_path, tiny_model):
     a.step()
     straight = Counter((e, i) for e, i, _ in a.seen)
     a.shutdown()
-    (tmp_path / "run" / "metrics.jsonl").unlink()
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    with open(metrics, "a") as f:
+        f.write('{"step": 5, "rew')  # a line a crash cut short
     cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": True})})
     b = started(Controller(cfg))
-    assert b.resume() and b.cycle == 2 and b.version == 2
+    assert b.resume().endswith("cycle-000002") and b.cycle == 2 and b.version == 2
+    # steps 3 and 4 are trained again: their lines (and the cut one) leave metrics.jsonl
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [1, 2]
     assert ray_session.get(b.workers[0].health.remote())["version"] == 2
     b.step()
     r = b.step()
     assert r["version"] == 4 and r["done"]
     assert Counter((e, i) for e, i, _ in b.seen) == straight
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [1, 2, 3, 4]  # one line a step
     b.shutdown()
 
 

@@ -82,8 +82,9 @@ def test_checkpointer_when_where_and_retention(tmp_path):
     assert not Checkpointer(_Cfg(tmp_path / "x", save_steps=0)).due([4])
     for c in (1, 2, 3):
         d = tmp_path / "ck" / f"cycle-{c:06d}"
-        d.mkdir(parents=True)
+        (d / "state").mkdir(parents=True)
         (d / "tandem.json").write_text("{}")
+        (d / "rng_rank0.safetensors").write_bytes(b"")
     (tmp_path / "ck" / "cycle-000009.tmp").mkdir()  # half written: never resumed from
     (tmp_path / "ck" / "cycle-000008").mkdir()  # no tandem.json: incomplete
     assert ck.latest().name == "cycle-000003"

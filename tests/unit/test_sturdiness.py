@@ -1,0 +1,126 @@
+"""Run directories that never mix and input refused early: checkpoint fingerprints, unreadable
+checkpoints skipped, metrics cut back on resume, RNG states that load without unpickling, SIGTERM
+taking Ctrl-C's path, .json data and reward weights checked at load."""
+
+import json
+import os
+import pickle
+import random
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from tandem.core.config import JobConfig, JobConfigError
+from tandem.learner.actor import load_rng, save_rng
+from tandem.services.checkpointer import Checkpointer, fingerprint, fingerprint_changes
+from tandem.services.data import DataError, load_rows
+from tandem.services.run import sigterm_as_interrupt
+from tandem.services.run_log import RunLog
+
+
+def cfg_of(job_files, **sections):
+    return JobConfig.from_dict({**job_files, **sections})
+
+
+def test_fingerprint_changes_with_what_decides_training_and_not_with_what_may_change(job_files, tmp_path):
+    base = fingerprint(cfg_of(job_files), 8)
+    same = [cfg_of(job_files, batch={"max_steps": 99}), cfg_of(job_files, cluster={"num_rollout_workers": 3}),
+            cfg_of(job_files, logging={"progress": False}), cfg_of(job_files, checkpoint={"resume": True})]
+    assert all(fingerprint(c, 8) == base for c in same)
+    changed = {
+        "data order": cfg_of(job_files, seed=7),
+        "job": cfg_of(job_files, optimizer={"learning_rate": 1e-3}),
+    }
+    for key, c in changed.items():
+        diff = fingerprint_changes(base, fingerprint(c, 8))
+        assert [d.split(" (")[0] for d in diff] == [key], diff
+    assert fingerprint_changes(base, fingerprint(cfg_of(job_files), 9)) == ["data rows (8 -> 9)"]
+    with open(job_files["data"]["path"], "a") as f:
+        f.write(json.dumps({"prompt": "new", "answer": 0}) + "\n")
+    assert "data content" in fingerprint_changes(base, fingerprint(cfg_of(job_files), 8))[0]
+
+
+def test_an_unreadable_newest_checkpoint_is_named_and_an_older_one_used(job_files, tmp_path, capsys):
+    root = tmp_path / "ck"
+    cfg = cfg_of(job_files, checkpoint={"dir": str(root)})
+    for name in ("cycle-000002", "cycle-000004", "cycle-000006"):
+        (root / name / "state").mkdir(parents=True)
+        (root / name / "tandem.json").write_text(json.dumps({"version": 1, "steps": 2}))
+        (root / name / "rng_rank0.safetensors").write_bytes(b"x")
+    (root / "cycle-000006" / "tandem.json").write_text('{"version": 6, "ste')  # cut by a crash
+    (root / "cycle-000004" / "rng_rank0.safetensors").unlink()
+    assert Checkpointer(cfg).latest() == root / "cycle-000002"
+    out = capsys.readouterr().out
+    assert "cycle-000006/tandem.json" in out and "cycle-000004/rng_rank0.safetensors: missing" in out
+
+
+def test_resume_cuts_metrics_back_to_the_checkpoint_and_drops_a_cut_line(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text("".join(json.dumps({"step": s, "reward": 0.1}) + "\n" for s in range(1, 7)) + '{"step": 7, "re')
+    assert RunLog(p).cut_back(4) == 3
+    assert [json.loads(x)["step"] for x in p.read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_rng_states_round_trip_and_a_planted_pickle_is_refused_without_running(tmp_path):
+    path = tmp_path / "rng_rank0.safetensors"
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    np.random.normal()  # a cached gaussian is part of numpy's state
+    save_rng(path)
+    want = (random.random(), np.random.rand(), torch.rand(1).item(), np.random.normal())
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    load_rng(path)
+    assert (random.random(), np.random.rand(), torch.rand(1).item(), np.random.normal()) == want
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+    path.write_bytes(pickle.dumps(Payload()))
+    from safetensors import SafetensorError
+
+    with pytest.raises(SafetensorError, match="deserializing header"):
+        load_rng(path)
+    assert not marker.exists()  # no code ran
+
+
+def test_sigterm_takes_the_path_of_ctrl_c():
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt, match="signal 15"):
+        with sigterm_as_interrupt():
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):  # the handler runs at the next bytecode boundary
+                pass
+    assert signal.getsignal(signal.SIGTERM) is before  # restored after the run
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"prompt": "hello"}, "column 'prompt' is a str, not a list"),
+    ({"prompt": ["a", "b", "c"], "answer": [1, 2]}, r"columns of unequal length \{'prompt': 3, 'answer': 2\}"),
+    ("just text", "a JSON str at the top"),
+])
+def test_json_data_that_is_not_rows_or_equal_columns_is_refused(tmp_path, content, message):
+    p = tmp_path / "d.json"
+    p.write_text(json.dumps(content))
+    with pytest.raises(DataError, match=message):
+        load_rows(str(p))
+    p.write_text(json.dumps({"prompt": ["a", "b"], "answer": [1, 2]}))
+    assert load_rows(str(p)) == [{"prompt": "a", "answer": 1}, {"prompt": "b", "answer": 2}]
+
+
+def test_non_utf8_data_names_the_file(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"d.jsonl: not UTF-8 text \(byte 15"):
+        load_rows(str(p))
+
+
+def test_a_nan_reward_weight_is_refused(job_files):
+    with pytest.raises(JobConfigError, match=r"grpo.reward_weights = \[nan\]: every weight must be a finite number"):
+        cfg_of(job_files, grpo={"reward_weights": [float("nan")]})
