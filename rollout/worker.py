@@ -26,7 +26,7 @@ from tandem.core.protocol import PromptItem, RolloutFailure, RolloutGroup, group
 from tandem.core.shaping import is_informative, overlong_penalty
 from tandem.rollout.engines.base import Sampling
 from tandem.rollout.prompts import completion_views
-from tandem.rollout.rewards import RewardError, RewardFunctions
+from tandem.rollout.rewards import IsolatedRewards, RewardError, RewardFunctions
 
 
 def build_engine(cfg, seed: int):
@@ -87,7 +87,9 @@ class RolloutWorker:
 
         try:
             raise_if(reward_errors(self.cfg))  # one line naming the function, before the engine starts
-            self.rewards = RewardFunctions(self.cfg.rewards)
+            t = self.cfg.reward_timeout_s
+            self.rewards = (RewardFunctions(self.cfg.rewards) if t is None else
+                            IsolatedRewards(self.cfg.rewards, t, int(self.cfg.cluster.rollout_resources.num_cpus)))
             self.tok = AutoTokenizer.from_pretrained(self.cfg.model.path)
         except BaseException as e:
             self._setup_error = e
@@ -126,6 +128,8 @@ class RolloutWorker:
             self._loop_thread.join(timeout=30)
         if getattr(self, "engine", None) is not None:
             self.engine.close()
+        if isinstance(getattr(self, "rewards", None), IsolatedRewards):
+            self.rewards.close()
 
     def _await_ready(self) -> None:
         self._ready.wait()  # a threaded actor may run a call before setup has finished

@@ -285,6 +285,9 @@ class JobConfig(_Section):
     model: ModelConfig = Field(description="the policy model (section)")
     data: DataConfig = Field(description="the prompt dataset (section)")
     rewards: list[str] = Field(min_length=1, description="reward functions: module:function or file.py:function")
+    reward_timeout_s: float | None = Field(
+        60.0, gt=0, description="time limit of one reward call; rewards run in child processes of each rollout "
+        "worker, so a hang or crash fails only its group; null = in the worker's process, no limit")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="sampling (section)")
     batch: BatchConfig = Field(default_factory=BatchConfig, description="batch arithmetic (section)")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="the loss (section)")
