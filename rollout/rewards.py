@@ -36,6 +36,9 @@ class RewardFunctions:
     def __len__(self) -> int:
         return len(self.fns)
 
+    def close(self) -> None:
+        """Nothing to release in-process (IsolatedRewards stops its processes)."""
+
     def score(self, prompts: list[Any], completions: list[Any], completion_ids: list[list[int]],
               columns: dict[str, list[Any]], rows: list[int]) -> np.ndarray:
         """-> float32 [N, F]; rows[i] is the dataset row of sample i (for error messages)."""

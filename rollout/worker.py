@@ -128,7 +128,7 @@ class RolloutWorker:
             self._loop_thread.join(timeout=30)
         if getattr(self, "engine", None) is not None:
             self.engine.close()
-        if isinstance(getattr(self, "rewards", None), IsolatedRewards):
+        if getattr(self, "rewards", None) is not None:
             self.rewards.close()
 
     def _await_ready(self) -> None:

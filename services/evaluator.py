@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -43,13 +44,12 @@ def eval_stats(rewards: np.ndarray, lengths: np.ndarray, eos: np.ndarray, weight
 class Evaluator:
     def __init__(self, cfg, table, tokenizer):
         """table: the eval prompts (services.prompt_source.PromptTable)."""
-        e, g = cfg.eval, cfg.generation
+        e = cfg.eval
         self.cfg, self.table, self.tok = cfg, table, tokenizer
         self.every = e.eval_steps
-        self.sampling = Sampling(n=e.num_generations, temperature=g.temperature if e.temperature is None
-                                 else e.temperature, top_p=g.top_p, top_k=g.top_k, min_p=g.min_p,
-                                 repetition_penalty=g.repetition_penalty, max_tokens=g.max_completion_length,
-                                 seed=cfg.seed)
+        train = Sampling.from_config(cfg, seed=cfg.seed)  # the job's sampling, seeded: evaluations compare
+        self.sampling = replace(train, n=e.num_generations,
+                                temperature=train.temperature if e.temperature is None else e.temperature)
         self.dir = Path(cfg.logging.output_dir) / "eval"
 
     def due(self, first_step: int, last_step: int, final: bool) -> bool:

@@ -22,7 +22,9 @@ def model_error(cfg: JobConfig) -> str | None:
 
 
 def data_error(cfg: JobConfig, field: str = "data.path") -> str | None:
-    v = cfg.data.path if field == "data.path" else cfg.eval.path
+    """The prompt file at `field` (data.path, eval.path)."""
+    section, name = field.split(".")
+    v = getattr(getattr(cfg, section), name)
     if v is None:
         return None
     p = Path(v)
