@@ -14,8 +14,9 @@ def _free_port() -> int:
 
 
 class LearnerGroup:
-    def __init__(self, cfg, total_steps: int, optimizer=None, probe: str | None = None):
-        """Starts the actors and waits for every rank's setup (the process group forms there)."""
+    def __init__(self, cfg, total_steps: int, optimizer=None, probe: str | None = None, wait: bool = True):
+        """Starts the actors; waits for every rank's setup (the process group forms there) unless
+        wait=False: then `ready()` does (the rollout workers start meanwhile)."""
         import ray
 
         from tandem.learner.actor import Learner
@@ -27,7 +28,14 @@ class LearnerGroup:
         master = ray.util.get_node_ip_address()
         port = _free_port()
         self.actors = [cls.remote(cfg, rank, n, master, port, total_steps, optimizer, probe) for rank in range(n)]
-        ray.get([a.setup.remote() for a in self.actors])
+        self._setup = [a.setup.remote() for a in self.actors]
+        if wait:
+            self.ready()
+
+    def ready(self) -> None:
+        import ray
+
+        ray.get(self._setup)
 
     def _all(self, method: str, *args):
         import ray

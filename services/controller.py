@@ -47,6 +47,10 @@ def one_at_a_time(method):
     return run
 
 
+class CycleInterrupted(Exception):
+    """The driver asked the cycle to stop (Ctrl-C, SIGTERM): what it gathered stays pending."""
+
+
 class Controller:
     """Lifecycle: `Controller(cfg)` stores the job; `setup()` reads and tokenises the data and starts the
     learner and the rollout workers; `resume()` optionally; `step()` per generation cycle (saving when
@@ -62,6 +66,7 @@ class Controller:
         self.buffer = GroupBuffer(self.k)
         self.counters = Counter()
         self._drive = threading.Lock()
+        self._interrupted = threading.Event()
         self.version = self.cycle = self.total_cycles = 0
         self.seen: list[tuple[int, int, int]] = []  # (epoch, dataset index, version) of every trained group
         self.failed: list[dict] = []
@@ -73,10 +78,11 @@ class Controller:
         self._publish_latency = 0.0
 
     @one_at_a_time
-    def setup(self, *, learner=None) -> dict:
+    def setup(self) -> dict:
         from transformers import AutoTokenizer
 
         from tandem.core.checks import check_inputs, write_shared_probe
+        from tandem.learner.group import LearnerGroup
         from tandem.rollout.prompts import tokenize_prompt
         from tandem.rollout.worker import prompts_in_flight, start_rollout_worker
 
@@ -106,17 +112,14 @@ class Controller:
         else:
             self.total_cycles = max(int(cfg.batch.num_train_epochs * len(rows)) // U, 1)
         self.total_steps = self.total_cycles * self.plan.optimizer_steps_per_cycle
-        if learner is None:
-            from tandem.learner.group import LearnerGroup
-
-            probe = write_shared_probe(cfg.logging.output_dir)
-            try:
-                learner = LearnerGroup(cfg, total_steps=self.total_steps, probe=probe)
-            finally:
-                Path(probe).unlink(missing_ok=True)
-        self.learner = learner
         self.pool = RolloutPool(lambda slot: start_rollout_worker(cfg, slot), prompts_in_flight(cfg), self.counters)
-        self.pool.start(cfg.cluster.num_rollout_workers)
+        probe = write_shared_probe(cfg.logging.output_dir)
+        try:  # the learner's setup runs while the rollout workers start
+            self.learner = LearnerGroup(cfg, total_steps=self.total_steps, probe=probe, wait=False)
+            self.pool.start(cfg.cluster.num_rollout_workers)
+            self.learner.ready()
+        finally:
+            Path(probe).unlink(missing_ok=True)
         self.log.trackers = Trackers(cfg)
         return self.status()
 
@@ -146,6 +149,8 @@ class Controller:
         before = self._rollout_stats()
         filled = 0
         while True:
+            if self._interrupted.is_set():  # before training: nothing of this cycle is trained or lost
+                raise CycleInterrupted(f"cycle {self.cycle} interrupted while gathering groups")
             self._requeue_stale()
             if len(self.buffer) >= U:
                 break
@@ -164,8 +169,9 @@ class Controller:
             if self.k > 0:
                 self._gather(U * self.k, timeout=0.05)
             busy = self.k > 0 and self.pool.in_flight()
-            done, _ = ray.wait(train_refs, num_returns=len(train_refs), timeout=0.0 if busy else None)
-            if len(done) == len(train_refs):
+            done, waiting = ray.wait(train_refs, num_returns=len(train_refs), timeout=0.0 if busy else 0.5)
+            ray.get(done)  # a dead rank raises now, not after the others time out at a collective
+            if not waiting:
                 break
         result = ray.get(train_refs)[0]
         train_s = time.time() - t1
@@ -275,6 +281,11 @@ class Controller:
 
     # ------------------------------------------------------------------------------- control
 
+    def interrupt(self) -> None:
+        """Ctrl-C / SIGTERM: the cycle in progress stops gathering (a cycle already training finishes its
+        training first), so that a checkpoint is written within seconds, not after a slow generation."""
+        self._interrupted.set()
+
     def scale(self, n: int) -> dict:
         """Set the number of rollout workers of a live job (`tandem scale`); applied at the next feed."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -330,6 +341,7 @@ class Controller:
             self._restore(meta["controller"])
             self.log.cut_back(meta["steps"])
             return str(ck)
+        self.log.cut_back(0)  # steps a run that died before its first checkpoint logged are trained again
         return None
 
     def _restore(self, st: dict) -> None:

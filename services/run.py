@@ -171,10 +171,18 @@ def _run_job(cfg, address: str | None, out) -> int:
     total = ray.get(ctl.__ray_call__.remote(lambda self: self.total_cycles))
     cycle0 = ray.get(ctl.__ray_call__.remote(lambda self: self.cycle))
     bar = tqdm(total=total, initial=cycle0, desc="GRPO", unit="cycle", disable=not cfg.logging.progress, file=out)
+    restarts = 0
     try:
         done = cycle0 >= total
         while not done:
-            r = ray.get(ctl.step.remote())  # saves when checkpoint.save_steps says so
+            try:
+                r = ray.get(ctl.step.remote())  # saves when checkpoint.save_steps says so
+            except ray.exceptions.RayActorError as e:  # the controller, or the learner under it, died
+                restarts += 1
+                ctl = restart_job(ray, cfg, ctl, e, restarts, out)
+                bar.n = ray.get(ctl.__ray_call__.remote(lambda self: self.cycle))
+                bar.refresh()
+                continue
             s = r["steps"][-1]
             done = r["done"]
             bar.set_postfix(reward=f"{s['reward']:.3f}", step_s=f"{s['cycle_s']:.2f}", v=r["version"])
@@ -183,6 +191,7 @@ def _run_job(cfg, address: str | None, out) -> int:
         bar.close()
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the save short
         print("\ninterrupted: saving a checkpoint before stopping...", file=out)
+        ray.get(ctl.interrupt.remote())  # the cycle stops gathering: the save does not wait for its generation
         path = ray.get(ctl.save_checkpoint.remote())
         print(f"checkpoint: {path} (resume with --set checkpoint.resume=true)", file=out)
         return 130
@@ -214,6 +223,32 @@ def _run_job(cfg, address: str | None, out) -> int:
     elif artifact is not None:
         print(f"model: {artifact} (transformers): AutoModelForCausalLM.from_pretrained({str(artifact)!r})", file=out)
     return 0
+
+
+def restart_job(ray, cfg, ctl, error, restarts: int, out):
+    """A dead learner rank or controller: the job starts again from its newest complete checkpoint (the
+    prompts after it are handed out again, their metrics lines cut), at most cluster.max_restarts times.
+    The learner and the rollout workers are the controller's actors: they go with it. -> the new one."""
+    reason = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+    if restarts > cfg.cluster.max_restarts:
+        raise RuntimeError(f"the job died {restarts} times (cluster.max_restarts = {cfg.cluster.max_restarts}); "
+                           f"last: {reason}") from error
+    print(f"tandem: {reason}; restart {restarts} of {cfg.cluster.max_restarts} from the newest checkpoint", file=out)
+    with contextlib.suppress(Exception):
+        ray.get(ctl.shutdown.remote(), timeout=60)  # a live controller stops its actors (engines first)
+    ray.kill(ctl)
+    name = controller_name(cfg.logging.output_dir)
+    for _ in range(300):  # the name is free once the actor is gone
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            break
+        time.sleep(0.1)
+    again = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": True})})
+    ctl = start_controller(ray, again)
+    resumed = ray.get(ctl.resume.remote())
+    print(f"resumed from checkpoint: {resumed or 'none yet (step 0)'}", file=out)
+    return ctl
 
 
 def publish_artifact(checkpoint: Path, out_dir: Path) -> Path | None:

@@ -217,6 +217,9 @@ class ClusterConfig(_Section):
         None, ge=1, description="sequences vLLM batches at once; null = vLLM's default (256 on GPU, 128 on CPU)")
     address: str | None = Field(None, description="Ray address `tandem run` joins when --address is not given; "
                                 "null = embedded Ray")
+    max_restarts: int = Field(3, ge=0, le=100, description="times the job is restarted from its newest checkpoint "
+                              "after the learner or the controller died (rollout workers are always replaced); "
+                              "0 = stop at the first death")
 
 
 class CheckpointConfig(_Section):
