@@ -29,6 +29,7 @@ from tandem.learner.batch import Samples, collate, to_device
 from tandem.learner.logprobs import completion_grpo_loss, completion_logprobs
 from tandem.learner.loss import LossInputs, grpo_loss, grpo_metrics, tis_weight, token_weights
 from tandem.learner.model import load_frozen_reference, load_policy, reference_context, trainable_state_dict
+from tandem.learner.safe_load import CheckpointRefused, refuse_pickles
 
 
 def _check_token_ids(groups, vocab: int):
@@ -121,6 +122,7 @@ class Learner:
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
                 opt, lr_lambda(o.lr_scheduler_type, warm, self._total_steps)),
         )
+        refuse_pickles(self.engine)
         self.device = self.engine.device  # batches are collated on the host and moved here
         self._n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: full sizes
         self._peak_flops = _peak_flops(self.device)
@@ -353,7 +355,10 @@ class Learner:
 
     def load_checkpoint(self, directory: str) -> dict:
         d = Path(directory)
-        meta = json.loads((d / "tandem.json").read_text())
+        try:
+            meta = json.loads((d / "tandem.json").read_text())
+        except ValueError as e:
+            raise CheckpointRefused(f"checkpoint file {d / 'tandem.json'}: not JSON ({e})") from None
         self.engine.load_checkpoint(str(d), tag="state", load_optimizer_states=True, load_lr_scheduler_states=True)
         load_rng(d / f"rng_rank{self.rank}.safetensors")
         self.version, self.steps = meta["version"], meta["steps"]
@@ -385,9 +390,12 @@ def load_rng(path: Path) -> None:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing (a checkpoint written before RNG states were safetensors, or "
                                 "an incomplete one)")
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
-        t = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata()
+            t = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 - safetensors' errors do not name the file
+        raise CheckpointRefused(f"checkpoint file {path}: not a safetensors file ({e})") from None
     torch.set_rng_state(t["torch"])
     name, pos, has_gauss, cached = json.loads(meta["numpy"])
     np.random.set_state((name, t["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))

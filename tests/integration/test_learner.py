@@ -1,12 +1,16 @@
 """Learner on real DeepSpeed (CPU, gloo): the update is exactly the spec's formula whatever
 the accumulation, the number of ranks and the ZeRO stage."""
 
+import pickle
+import re
 import socket
+from pathlib import Path
 
 import pytest
 import torch
 
 from tandem.learner.actor import Learner
+from tandem.learner.safe_load import CheckpointRefused
 from tests.helpers import ROOT, make_job
 from tests.helpers.learner import make_groups, reference_step, sgd, started
 
@@ -266,3 +270,44 @@ def test_learner_metrics_match_math_functions(tmp_path, tiny_model):
     assert got["reward"] == pytest.approx(float(r.mean()), rel=1e-6)
     assert got["completion_length"] == pytest.approx(sum(len(c) for c in s.completions) / 8)
     assert got["frac_truncated"] == pytest.approx(1 - s.eos.mean())
+
+
+class Payload:
+    """Unpickling this runs code: it creates the marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_a_planted_pickle_in_any_checkpoint_file_is_refused_and_runs_nothing(tmp_path, tiny_model, zero):
+    """Each file of a real checkpoint in turn replaced by a pickle whose loading would create a file:
+    loading the checkpoint fails naming that file, and the file is never created."""
+    import shutil
+
+    cfg = job(tmp_path, tiny_model, per=4, ga=1, spg=1, zero=zero)
+    a = started(Learner(cfg, port=free_port()))
+    a.train(make_groups(1, 4, seed=1))
+    ck = Path(a.save_checkpoint(str(tmp_path / "ck" / "good")))
+    files = [f.relative_to(ck) for f in sorted(ck.rglob("*")) if f.is_file() and f.suffix in (".pt", ".safetensors", ".json")
+             and f.parent.name != "adapter"]  # the user's artifact (safetensors + config): not read on resume
+    assert {f.suffix for f in files} == {".pt", ".safetensors", ".json"} and len(files) >= 3 + (zero > 0), files
+    b = started(Learner(cfg, port=free_port()))
+    for rel in files:
+        bad = tmp_path / "ck" / f"bad-{rel.name}"
+        shutil.copytree(ck, bad)
+        marker = tmp_path / f"ran-{rel.name}"
+        if rel.suffix == ".json":
+            (bad / rel).write_bytes(pickle.dumps(Payload(marker)))
+        else:
+            torch.save({"state": Payload(marker)}, bad / rel)
+        with pytest.raises(CheckpointRefused, match=re.escape(str(bad / rel))):
+            b.load_checkpoint(str(bad))
+        assert not marker.exists(), f"loading {rel} ran the planted code"
+    b.load_checkpoint(str(ck))  # the untouched checkpoint still loads
+    assert b.version == 1
