@@ -51,9 +51,14 @@ def cmd_run(args) -> int:
 
 
 def cmd_submit(args) -> int:
-    from tandem.services.run import submit_job
+    from tandem.services.run import submit_job, uploaded_files
 
     JobConfig.from_yaml(args.job, args.set)  # the schema only: the files and CUDA are the cluster's
+    if args.working_dir:
+        files = uploaded_files(args.working_dir)
+        shown = ", ".join(f for f, _ in files[:20]) + (f", ... ({len(files) - 20} more)" if len(files) > 20 else "")
+        print(f"uploading {args.working_dir}: {len(files)} files, {sum(n for _, n in files) / 1e6:.1f} MB "
+              f"({shown}); never: .env*, .git, keys; excluded as .gitignore/.rayignore say")
     try:
         client, job_id = submit_job(args.job, args.set, args.address, args.working_dir)
     except TimeoutError as e:

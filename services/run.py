@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shlex
 import signal
@@ -23,6 +24,7 @@ def start_ray(address: str | None, cfg):
         return ray
     env = {"env_vars": job_env_vars(os.getcwd())}
     if address:
+        use_cluster_token()
         ray.init(address=address, runtime_env=env, log_to_driver=False)
     else:
         need = (cfg.cluster.num_rollout_workers * cfg.cluster.rollout_resources.num_cpus
@@ -33,6 +35,24 @@ def start_ray(address: str | None, cfg):
 
 
 NAMESPACE = "tandem"
+
+
+def cluster_token() -> str | None:
+    """The token of a token-authenticated Ray cluster this machine holds, where Ray keeps it:
+    RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names, or ~/.ray/auth_token (`ray get-auth-token`)."""
+    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    return path.read_text().strip() or None if path.is_file() else None
+
+
+def use_cluster_token() -> None:
+    """Before ray.init joins a cluster: a token this machine holds turns Ray's token auth on (Ray itself
+    only does when RAY_AUTH_MODE=token is exported, and then says "no cluster")."""
+    if os.environ.get("RAY_AUTH_MODE") is None and cluster_token():
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+        _enable_token_auth()
 
 
 def controller_name(output_dir: str) -> str:
@@ -71,8 +91,13 @@ def connect_controller(output_dir: str, address: str | None):
     from tandem.core.config import JobConfigError
 
     if not ray.is_initialized():
+        use_cluster_token()
         try:
             ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
+        except ray.exceptions.AuthenticationError as e:
+            raise JobConfigError(f"the Ray cluster at {address or 'this machine'} refused this machine's token "
+                                 f"({str(e).splitlines()[0]}); allowed: its token in RAY_AUTH_TOKEN, the file "
+                                 "RAY_AUTH_TOKEN_PATH names, or ~/.ray/auth_token") from None
         except ConnectionError as e:
             raise JobConfigError(f"no Ray cluster at {address or 'this machine'} ({e})") from None
     try:
@@ -94,16 +119,18 @@ def submit_job(job: str, overrides: list[str], address: str | None, working_dir:
     from ray.job_submission import JobSubmissionClient
 
     entry = ["python", "-m", "tandem.services.cli", "run", job, "--address", "auto"]
+    runtime_env = {"working_dir": working_dir, "excludes": NEVER_UPLOADED} if working_dir else None
     for item in overrides:
         entry += ["--set", item]
-    client = JobSubmissionClient(address)
+    token = cluster_token()  # sent as Ray's own clients send it; ignored by a cluster without token auth
+    client = JobSubmissionClient(address, headers={"authorization": f"Bearer {token}"} if token else None)
     job_id = f"tandem-{uuid.uuid4().hex[:12]}"
     give_up = time.time() + patience_s
     while True:
         try:
             answered_within(lambda: client.submit_job(
                 entrypoint=shlex.join(entry), submission_id=job_id, metadata={"tandem_job": job},
-                runtime_env={"working_dir": working_dir} if working_dir else None), 30.0)
+                runtime_env=runtime_env), 30.0)
             return client, job_id
         except (RuntimeError, TimeoutError) as e:
             if "already exists" in str(e):  # an earlier attempt got through after all
@@ -111,6 +138,31 @@ def submit_job(job: str, overrides: list[str], address: str | None, working_dir:
             if not ("No available agent" in str(e) or isinstance(e, TimeoutError)) or time.time() > give_up:
                 raise
             time.sleep(1)
+
+
+# Secrets and history stay on the submitting machine, whatever .gitignore says (added to Ray's excludes).
+NEVER_UPLOADED = [".env", ".env.*", "**/.env", "**/.env.*", ".git", "**/.git", ".netrc", "*.pem", "id_rsa*",
+                  ".ray/auth_token"]
+
+
+def uploaded_files(working_dir: str) -> list[tuple[str, int]]:
+    """What `tandem submit` uploads from working_dir: (relative path, bytes) of each file, walked with Ray's
+    own packaging rules (its default excludes, .gitignore and .rayignore files, NEVER_UPLOADED)."""
+    from ray._private import ray_constants
+    from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
+
+    root = Path(working_dir).absolute()
+    files = []
+
+    def add(p: Path) -> None:
+        if p.is_file():
+            files.append((str(p.relative_to(root)), p.stat().st_size))
+    quiet = logging.getLogger("tandem.upload")  # Ray's walker logs each ignore file it reads
+    quiet.setLevel(logging.WARNING)
+    _dir_travel(root, [_get_excludes(root, ray_constants.get_runtime_env_default_excludes() + NEVER_UPLOADED)], add,
+                include_gitignore=os.environ.get(ray_constants.RAY_RUNTIME_ENV_IGNORE_GITIGNORE, "0") != "1",
+                logger=quiet)
+    return sorted(files)
 
 
 def answered_within(fn, seconds: float):

@@ -27,16 +27,20 @@ def free_port():
 def ray_head(monkeypatch):
     """A second Ray cluster, started as users start one (`ray start --head`), with its dashboard (the
     Jobs API). Every port its own: the suite's Ray already holds the defaults (a job head talking to
-    the other cluster's agent on 52365 never answered). Token auth off (test only)."""
-    from ray.job_submission import JobSubmissionClient
+    the other cluster's agent on 52365 never answered). Token-authenticated, as the README starts one;
+    this process holds the token as a user's machine would (RAY_AUTH_TOKEN), nothing else."""
+    import secrets
+    import urllib.error
+    import urllib.request
 
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    token = secrets.token_hex(32)
+    monkeypatch.setenv("RAY_AUTH_TOKEN", token)
     temp = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths must stay under 108 bytes
     ports = {name: free_port() for name in ("port", "dashboard-port", "dashboard-agent-listen-port",
                                             "dashboard-agent-grpc-port", "runtime-env-agent-port",
                                             "ray-client-server-port", "metrics-export-port")}
     bindir = os.path.dirname(sys.executable)
-    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ["PATH"])
+    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ["PATH"], RAY_AUTH_MODE="token")
     head = subprocess.Popen([os.path.join(bindir, "ray"), "start", "--head", "--block", "--num-cpus=4",
                              "--dashboard-host=127.0.0.1", f"--temp-dir={temp}"]
                             + [f"--{name}={port}" for name, port in ports.items()], env=env)
@@ -45,9 +49,12 @@ def ray_head(monkeypatch):
         for _ in range(120):
             assert head.poll() is None, "the Ray head exited"
             try:
-                JobSubmissionClient(url)
+                urllib.request.urlopen(f"{url}/api/jobs/", timeout=5)
+                raise AssertionError("the Jobs API answered a request without the token")
+            except urllib.error.HTTPError as e:
+                assert e.code == 401, e  # up, and refusing strangers
                 break
-            except Exception:  # noqa: BLE001 - not up yet
+            except OSError:  # not up yet
                 time.sleep(1)
         yield url
     finally:
@@ -71,6 +78,9 @@ def test_submit_runs_the_job_on_the_cluster(ray_head, tmp_path, tiny_model, caps
            "batch": {"num_generations": 4, "per_device_train_batch_size": 8, "max_steps": 2},
            "logging": {"output_dir": str(out), "progress": False}}
     (wd / "job.yaml").write_text(yaml.safe_dump(job))
+    (wd / ".env").write_text("SECRET=1\n")  # never leaves this machine
+    (wd / ".git").mkdir()
+    (wd / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     os.chdir(wd)  # the job file and its data as a user would have them (pytest restores nothing: go back)
     try:
         rc = answered_within(lambda: main(["submit", "job.yaml", "--address", ray_head, "--wait", "--set",
@@ -81,6 +91,7 @@ def test_submit_runs_the_job_on_the_cluster(ray_head, tmp_path, tiny_model, caps
     printed = capsys.readouterr().out
     assert rc == 0, printed[-3000:]
     assert "submitted tandem-" in printed and "SUCCEEDED" in printed and "reward: first" in printed
+    assert "uploading .: 2 files" in printed and "(data.jsonl, job.yaml)" in printed, printed[:500]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["lr"] == 0.01 for r in rows)
 
