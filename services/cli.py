@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import warnings
+from pathlib import Path
 
 from tandem.core.config import JobConfig, JobConfigError, JobShape
 from tandem.core.plan import BatchPlan, arithmetic, table
@@ -42,11 +44,16 @@ def cmd_check(args) -> int:
 
 def cmd_run(args) -> int:
     from tandem.core.checks import check_inputs
-    from tandem.services.run import run_job
+    from tandem.services.supervisor import SUPERVISED, supervise
 
     cfg = JobConfig.from_yaml(args.job, args.set)
     address = args.address or cfg.cluster.address
     check_inputs(cfg)  # the driver sees the same files as every node (README: shared filesystem)
+    if cfg.cluster.max_restarts > 0 and not os.environ.get(SUPERVISED):  # the driver as a child, restarted
+        return supervise([args.job, *(x for s in args.set for x in ("--set", s)),
+                          *(["--address", args.address] if args.address else [])], cfg.cluster.max_restarts)
+    from tandem.services.run import run_job
+
     return run_job(cfg, address=address)
 
 
@@ -111,7 +118,12 @@ def cmd_status(args) -> int:
     from tandem.services.run import connect_controller
 
     ray, ctl = connect_controller(output_dir_of(args.job, args.set), args.address)
-    st = ray.get(ctl.status.remote())
+    try:  # the controller answers from its second thread, even mid-cycle; a wedged one must not hold us
+        st = ray.get(ctl.status.remote(), timeout=30)
+    except ray.exceptions.GetTimeoutError:
+        print(f"tandem status: the job writing to {output_dir_of(args.job, args.set)!r} did not answer within 30 s",
+              file=sys.stderr)
+        return 1
     print(f"cycle {st['cycle']}/{st['total_cycles']}, policy version {st['version']}, rollout workers "
           f"{st['workers']} (target {st['target_workers']}), prompts in flight {st['in_flight']}, "
           f"groups buffered {st['buffered']}")
@@ -201,9 +213,44 @@ def main(argv: list[str] | None = None) -> int:
     warnings.simplefilter("default")
     try:
         return args.fn(args)
-    except JobConfigError as e:
-        print(f"tandem: {e}", file=sys.stderr)
+    except JobConfigError as e:  # also when raised inside an actor (Ray's error is both classes)
+        print(f"tandem: {one_line(e)}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - a run-time error: one line here, the traceback in a file
+        print(f"tandem: {one_line(e)} (traceback: {write_error_log(args, e)})", file=sys.stderr)
+        return 1
+
+
+def root_cause(e: BaseException) -> BaseException:
+    """The user's error inside Ray's wrappers (RayTaskError.cause, an actor's death cause)."""
+    seen = set()
+    while getattr(e, "cause", None) is not None and id(e) not in seen:
+        seen.add(id(e))
+        e = e.cause
+    return e
+
+
+def one_line(e: BaseException) -> str:
+    c = root_cause(e)
+    lines = [x for x in str(c).strip().splitlines() if x.strip()]
+    msg = lines[0] if lines else ""
+    return msg if isinstance(c, JobConfigError) else f"{type(c).__name__}: {msg}"
+
+
+def write_error_log(args, e: BaseException) -> str:
+    """The whole traceback (Ray's included) in <output_dir>/error.log when the command has a job, else a
+    temporary file. -> its path."""
+    import tempfile
+    import traceback
+
+    text = "".join(traceback.format_exception(e))
+    try:
+        path = Path(output_dir_of(args.job, args.set)) / "error.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except Exception:  # noqa: BLE001 - no job file, or no run directory to write in
+        path = Path(tempfile.mkstemp(prefix="tandem-error-", suffix=".log")[1])
+    path.write_text(text)
+    return str(path)
 
 
 if __name__ == "__main__":

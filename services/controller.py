@@ -21,7 +21,7 @@ import functools
 import json
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 
 from tandem.core.config import JobConfigError
@@ -29,12 +29,15 @@ from tandem.core.plan import BatchPlan
 from tandem.core.protocol import PromptItem
 from tandem.services.checkpointer import Checkpointer, fingerprint, fingerprint_changes
 from tandem.services.data import check_rows, load_rows
+from tandem.services.epoch_record import EpochRecord
 from tandem.services.evaluator import Evaluator
 from tandem.services.group_buffer import GroupBuffer
 from tandem.services.prompt_source import PromptSource, PromptTable
 from tandem.services.rollout_pool import RolloutPool
 from tandem.services.run_log import EXPORTED, RunLog, rollout_rates, series_name  # noqa: F401 - deploy/ reads EXPORTED
 from tandem.services.trackers import Trackers
+
+RECENT = 4096  # trained / filtered groups kept in memory with their versions
 
 
 def one_at_a_time(method):
@@ -68,9 +71,11 @@ class Controller:
         self._drive = threading.Lock()
         self._interrupted = threading.Event()
         self.version = self.cycle = self.total_cycles = 0
-        self.seen: list[tuple[int, int, int]] = []  # (epoch, dataset index, version) of every trained group
+        # (epoch, dataset index, version) of the latest trained / dynamic-sampling-filtered groups, for the
+        # metrics and a reader; what was used in each epoch is kept whole, and bounded, in EpochRecords
+        self.seen: deque = deque(maxlen=RECENT)
+        self.filtered: deque = deque(maxlen=RECENT)
         self.failed: list[dict] = []
-        self.filtered: list[tuple[int, int, int]] = []  # (epoch, index, version) of groups dynamic sampling dropped
         self._filler: list = []  # this batch's filtered groups, to fill it when the oversampling bound is hit
         self._sampled = 0  # prompts handed out for the batch being gathered
         self.pool = None
@@ -78,7 +83,8 @@ class Controller:
         self._publish_latency = 0.0
 
     @one_at_a_time
-    def setup(self) -> dict:
+    def setup(self, resource_wait_s: float = 0.0) -> dict:
+        """resource_wait_s: how long a request no node can hold may wait for an autoscaler to add one."""
         from transformers import AutoTokenizer
 
         from tandem.core.checks import check_inputs, write_shared_probe
@@ -103,6 +109,7 @@ class Controller:
         self.table = table(cfg.data.path)
         rows = self.table.rows
         self.source = PromptSource(len(rows), cfg.seed, cfg.data.shuffle)
+        self.trained, self.filtered_record = EpochRecord(len(rows), "trained on"), EpochRecord(len(rows), "filtered")
         self.fingerprint = fingerprint(cfg, len(rows))
         if cfg.eval.path is not None:
             self.evaluator = Evaluator(cfg, table(cfg.eval.path), tok)
@@ -113,6 +120,7 @@ class Controller:
             self.total_cycles = max(int(cfg.batch.num_train_epochs * len(rows)) // U, 1)
         self.total_steps = self.total_cycles * self.plan.optimizer_steps_per_cycle
         self.pool = RolloutPool(lambda slot: start_rollout_worker(cfg, slot), prompts_in_flight(cfg), self.counters)
+        self._wait_for_nodes(resource_wait_s)
         probe = write_shared_probe(cfg.logging.output_dir)
         try:  # the learner's setup runs while the rollout workers start
             self.learner = LearnerGroup(cfg, total_steps=self.total_steps, probe=probe, wait=False)
@@ -122,6 +130,18 @@ class Controller:
             Path(probe).unlink(missing_ok=True)
         self.log.trackers = Trackers(cfg)
         return self.status()
+
+    def _wait_for_nodes(self, wait_s: float) -> None:
+        """Every role's request fits some node (within wait_s), or a one-line error: an actor that no node
+        can hold would wait forever, and the job and `tandem status` with it."""
+        from tandem.core.checks import resource_errors
+
+        end = time.time() + wait_s
+        while errors := resource_errors(self.cfg, self.pool.ray.nodes()):
+            if time.time() >= end:
+                raise JobConfigError("invalid job: " + "; ".join(errors) +
+                                     (f" (waited {wait_s:.0f} s for a node to join)" if wait_s else ""))
+            time.sleep(2)
 
     def _clear_run_dir(self) -> None:
         """overwrite_output_dir: the earlier run's record and checkpoints go before this one writes."""
@@ -160,7 +180,8 @@ class Controller:
             self._gather(U, timeout=1.0)
         batch = self.buffer.take(U)
         sampled, self._sampled = self._sampled, 0
-        self.filtered += [(m["epoch"], m["index"], m["version"]) for m, _ in self._filler]  # used, not trained
+        for m, _ in self._filler:  # used, not trained
+            self._record_filtered(m)
         self._filler = []
         wait_s = time.time() - t0
         t1 = time.time()
@@ -175,7 +196,9 @@ class Controller:
                 break
         result = ray.get(train_refs)[0]
         train_s = time.time() - t1
-        self.seen += [(m["epoch"], m["index"], m["version"]) for m, _ in batch]
+        for m, _ in batch:
+            self.trained.add(m["epoch"], m["index"])
+            self.seen.append((m["epoch"], m["index"], m["version"]))
         # Publishing waits for no generation: each worker loads the adapter between two engine steps while
         # its requests run on, so every worker serves the new version before the next cycle begins (with
         # max_staleness 0, before any of its prompts goes out).
@@ -228,6 +251,10 @@ class Controller:
                 f.write(json.dumps(self.failed[-1]) + "\n")
             if len(self.failed) > max(4, len(self.table) // 4):
                 raise RuntimeError(f"{len(self.failed)} prompts failed permanently; last: {meta['failure']}")
+
+    def _record_filtered(self, m: dict) -> None:
+        self.filtered_record.add(m["epoch"], m["index"])
+        self.filtered.append((m["epoch"], m["index"], m["version"]))
 
     def _oversampled(self, U: int) -> bool:
         return self.cfg.grpo.dynamic_sampling and self._sampled >= int(self.cfg.grpo.max_oversampling * U)
@@ -307,8 +334,9 @@ class Controller:
         pending = [(it.index, it.epoch) for it in self.pool.pending_items()] + self.buffer.pending()
         return {"fingerprint": self.fingerprint, "cursor": self.source.state(pending), "cycle": self.cycle,
                 "version": self.version,
-                "next_group_id": self.table.next_group_id, "seen": self.seen, "failed": self.failed,
-                "filtered": self.filtered + [(m["epoch"], m["index"], m["version"]) for m, _ in self._filler],
+                "next_group_id": self.table.next_group_id, "trained": self.trained.state(), "failed": self.failed,
+                "filtered": self.filtered_record.state(),
+                "filler": [(m["epoch"], m["index"], m["version"]) for m, _ in self._filler],  # filtered too
                 "counters": dict(self.counters)}
 
     @one_at_a_time
@@ -347,8 +375,15 @@ class Controller:
     def _restore(self, st: dict) -> None:
         self.source.load(st["cursor"])
         self.cycle, self.version, self.table.next_group_id = st["cycle"], st["version"], st["next_group_id"]
-        self.seen = [tuple(x) for x in st["seen"]]
-        self.filtered = [tuple(x) for x in st.get("filtered", [])]
+        n = len(self.table)
+        if "trained" in st:
+            self.trained.load(st["trained"])
+            self.filtered_record.load(st["filtered"])
+            for e, i, v in st["filler"]:
+                self._record_filtered({"epoch": e, "index": i, "version": v})
+        else:  # a checkpoint from before the records: lists of (epoch, index, version)
+            self.trained = EpochRecord.from_pairs(n, st["seen"])
+            self.filtered_record = EpochRecord.from_pairs(n, st.get("filtered", []), "filtered")
         self.failed = st["failed"]
         self.counters.clear()
         self.counters.update(st["counters"])

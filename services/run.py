@@ -35,6 +35,7 @@ def start_ray(address: str | None, cfg):
 
 
 NAMESPACE = "tandem"
+RESOURCE_WAIT_S = 60.0  # on a cluster: time for an autoscaler to add a node a request needs
 
 
 def cluster_token() -> str | None:
@@ -61,9 +62,10 @@ def controller_name(output_dir: str) -> str:
     return "controller:" + str(Path(output_dir).resolve())
 
 
-def start_controller(ray, cfg):
+def start_controller(ray, cfg, resource_wait_s: float = 0.0):
     """The Controller actor, named after the run directory; two threads, so that `scale` and `status`
-    are answered while a cycle runs."""
+    are answered while a cycle runs. resource_wait_s: how long a request no node has may wait for an
+    autoscaler (0 on the embedded Ray: no node will join it)."""
     from tandem.core.config import JobConfigError
     from tandem.services.controller import Controller
 
@@ -74,7 +76,7 @@ def start_controller(ray, cfg):
         ctl = ray.remote(num_cpus=0, max_concurrency=2)(Controller).options(
             name=name, namespace=NAMESPACE).remote(cfg)
         try:  # waited for: a threaded actor does not keep its calls in order
-            ray.get(ctl.setup.remote())
+            ray.get(ctl.setup.remote(resource_wait_s))
         except BaseException:
             ray.kill(ctl)  # frees the name
             raise
@@ -204,18 +206,19 @@ def sigterm_as_interrupt():
 
 
 def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:
-    with sigterm_as_interrupt():
-        return _run_job(cfg, address, out)
+    t_start = time.time()
+    ray = start_ray(address, cfg)
+    with sigterm_as_interrupt():  # after ray.init, whose core worker installs a SIGTERM handler of its own
+        return _run_job(cfg, ray, address, out, t_start)
 
 
-def _run_job(cfg, address: str | None, out) -> int:
+def _run_job(cfg, ray, address: str | None, out, t_start: float) -> int:
     from tqdm import tqdm
 
     from tandem.services.plot import plot_run, read_metrics
 
-    ray = start_ray(address, cfg)
-    t_start = time.time()
-    ctl = start_controller(ray, cfg)
+    wait_s = RESOURCE_WAIT_S if address else 0.0
+    ctl = start_controller(ray, cfg, wait_s)
     if cfg.checkpoint.resume:
         resumed = ray.get(ctl.resume.remote())
         print(f"resumed from checkpoint: {resumed}" if resumed else
@@ -231,7 +234,7 @@ def _run_job(cfg, address: str | None, out) -> int:
                 r = ray.get(ctl.step.remote())  # saves when checkpoint.save_steps says so
             except ray.exceptions.RayActorError as e:  # the controller, or the learner under it, died
                 restarts += 1
-                ctl = restart_job(ray, cfg, ctl, e, restarts, out)
+                ctl = restart_job(ray, cfg, ctl, e, restarts, out, wait_s)
                 bar.n = ray.get(ctl.__ray_call__.remote(lambda self: self.cycle))
                 bar.refresh()
                 continue
@@ -277,7 +280,7 @@ def _run_job(cfg, address: str | None, out) -> int:
     return 0
 
 
-def restart_job(ray, cfg, ctl, error, restarts: int, out):
+def restart_job(ray, cfg, ctl, error, restarts: int, out, resource_wait_s: float = 0.0):
     """A dead learner rank or controller: the job starts again from its newest complete checkpoint (the
     prompts after it are handed out again, their metrics lines cut), at most cluster.max_restarts times.
     The learner and the rollout workers are the controller's actors: they go with it. -> the new one."""
@@ -297,7 +300,7 @@ def restart_job(ray, cfg, ctl, error, restarts: int, out):
             break
         time.sleep(0.1)
     again = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": True})})
-    ctl = start_controller(ray, again)
+    ctl = start_controller(ray, again, resource_wait_s)
     resumed = ray.get(ctl.resume.remote())
     print(f"resumed from checkpoint: {resumed or 'none yet (step 0)'}", file=out)
     return ctl

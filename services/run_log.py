@@ -14,6 +14,9 @@ EXPORTED = ("reward", "reward_std", "kl", "clip_ratio/region_mean", "completion_
             "eval/completion_length")
 
 
+FLAT_STEPS = 10  # steps in a row without reward variance before the run says so
+
+
 def series_name(key: str) -> str:
     return "tandem_" + key.replace("/", "_")
 
@@ -44,6 +47,8 @@ class RunLog:
         self.path = path
         self.trackers = None
         self._gauges: dict = {}
+        self._export_failed = False
+        self._flat = 0  # steps in a row whose every group had zero reward variance
 
     def cut_back(self, step: int) -> int:
         """On resume: lines of steps after the checkpoint's are dropped (they are trained again), and so is a
@@ -70,6 +75,12 @@ class RunLog:
         return any(json.loads(x).get("step") == step for x in self.path.read_text().splitlines() if x.strip())
 
     def write(self, steps: list[dict]) -> None:
+        for st in steps:
+            self._flat = self._flat + 1 if st.get("frac_reward_zero_std") == 1.0 else 0
+            if self._flat == FLAT_STEPS:
+                print(f"tandem: warning: every group's completions got the same reward for {FLAT_STEPS} steps in a "
+                      f"row (to step {st.get('step')}): the advantages are 0 and nothing is learned; check the reward "
+                      "functions (or grpo.dynamic_sampling: true to skip such groups)", flush=True)
         now = time.time()
         lines = [{"time": now, **s} for s in steps]
         with open(self.path, "a") as f:
@@ -88,5 +99,8 @@ class RunLog:
                 if name not in self._gauges:
                     self._gauges[name] = Gauge(name, description=f"Tandem {key} per optimizer step")
                 self._gauges[name].set(float(v))
-        except Exception:  # noqa: BLE001 - the dashboard is optional, the JSONL is the record
-            pass
+        except Exception as e:  # noqa: BLE001 - the dashboard is optional, the JSONL is the record: said once
+            if not self._export_failed:
+                self._export_failed = True
+                print(f"tandem: the Ray metrics of step {steps[-1].get('step')} could not be exported "
+                      f"({type(e).__name__}: {e}); metrics.jsonl has them", flush=True)

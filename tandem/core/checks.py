@@ -21,6 +21,26 @@ def model_error(cfg: JobConfig) -> str | None:
     return None
 
 
+def length_error(cfg: JobConfig) -> str | None:
+    """A prompt and its completion must fit the model's positions (else vLLM refuses every request late,
+    naming its own max_model_len)."""
+    import json
+
+    try:
+        mc = json.loads((Path(cfg.model.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # model_error names a missing config; an unreadable one fails where transformers reads it
+    mc = mc.get("text_config", mc)  # multimodal configs keep the language model's inside
+    limit = mc.get("max_position_embeddings")
+    g = cfg.generation
+    if isinstance(limit, int) and g.max_prompt_length + g.max_completion_length > limit:
+        return (f"generation.max_prompt_length + generation.max_completion_length = {g.max_prompt_length} + "
+                f"{g.max_completion_length} = {g.max_prompt_length + g.max_completion_length}: longer than the "
+                f"model's {limit} positions (max_position_embeddings in {cfg.model.path}/config.json); allowed: "
+                f"a sum <= {limit}")
+    return None
+
+
 def data_error(cfg: JobConfig, field: str = "data.path") -> str | None:
     """The prompt file at `field` (data.path, eval.path)."""
     section, name = field.split(".")
@@ -72,6 +92,24 @@ def device_error(cfg: JobConfig) -> str | None:
     return "model.dtype = 'float16': needs CUDA (DeepSpeed refuses fp16 on CPU); use 'bfloat16' or 'float32'"
 
 
+def resource_errors(cfg: JobConfig, nodes: list[dict]) -> list[str]:
+    """Each role's per-actor request against the nodes Ray lists (`ray.nodes()`: "Alive", "Resources"):
+    one that no live node could ever hold, named with what the nodes have. Without this the actor waits
+    for a node forever, and the job with it."""
+    have = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
+    out = []
+    for field in ("rollout_resources", "learner_resources"):
+        r = getattr(cfg.cluster, field)
+        need = {"CPU": r.num_cpus, "GPU": r.num_gpus, **r.resources}
+        need = {k: v for k, v in need.items() if v > 0}
+        if any(all(h.get(k, 0.0) >= v for k, v in need.items()) for h in have):
+            continue
+        largest = {k: max((h.get(k, 0.0) for h in have), default=0.0) for k in need}
+        out.append(f"cluster.{field} = {need}: no node of the Ray cluster has that much (the most any node has: "
+                   f"{largest}); allowed: what one node has, e.g. num_gpus: 0 on a machine without a GPU")
+    return out
+
+
 def raise_if(errors: list[str | None]) -> None:
     found = [e for e in errors if e]
     if found:
@@ -103,7 +141,7 @@ def run_dir_error(cfg: JobConfig) -> str | None:
 
 def check_inputs(cfg: JobConfig) -> None:
     """Model, data and reward functions as this machine sees them, and a run directory of its own."""
-    raise_if([model_error(cfg), data_error(cfg), data_error(cfg, "eval.path"), *reward_errors(cfg),
+    raise_if([model_error(cfg), length_error(cfg), data_error(cfg), data_error(cfg, "eval.path"), *reward_errors(cfg),
               *tracker_errors(cfg), run_dir_error(cfg)])
 
 

@@ -39,6 +39,7 @@ def pending(ctl):
 def check_accounting(ctl, n_rows):
     trained = [(e, i) for e, i, _ in ctl.seen]
     assert len(trained) == len(set(trained)), "a prompt was trained on twice in one epoch"
+    assert sorted(trained) == ctl.trained.pairs() and len(ctl.trained) == len(trained)  # the checkpointed record
     handed_epoch0 = {i for e, i in trained if e == 0} | {i for i, e in pending(ctl) if e == 0}
     if ctl.source.epoch > 0 or ctl.source.pos == n_rows:
         assert handed_epoch0 == set(range(n_rows)), "a prompt of epoch 0 was lost"
@@ -65,7 +66,7 @@ def test_end_to_end(ray_session, tmp_path, tiny_model, k):
     assert versions == list(range(1, cycles + 1)) and r["done"]
     assert len(ctl.seen) == cycles * U
     # the version each group was sampled with: k = 0 -> exactly the previous cycle's
-    by_cycle = [ctl.seen[i * U:(i + 1) * U] for i in range(cycles)]
+    by_cycle = [list(ctl.seen)[i * U:(i + 1) * U] for i in range(cycles)]
     for c, groups in enumerate(by_cycle):
         assert all(c - k <= v <= c for _, _, v in groups), (c, groups)
     if k == 0:
@@ -89,6 +90,7 @@ def test_resume_continues_order_and_version(ray_session, tmp_path, tiny_model):
     a.step()
     a.step()
     straight = Counter((e, i) for e, i, _ in a.seen)
+    at_checkpoint = sorted((e, i) for e, i, _ in list(a.seen)[:2 * a.plan.unique_prompts])
     a.shutdown()
     metrics = tmp_path / "run" / "metrics.jsonl"
     with open(metrics, "a") as f:
@@ -102,7 +104,8 @@ def test_resume_continues_order_and_version(ray_session, tmp_path, tiny_model):
     b.step()
     r = b.step()
     assert r["version"] == 4 and r["done"]
-    assert Counter((e, i) for e, i, _ in b.seen) == straight
+    assert Counter(b.trained.pairs()) == straight
+    assert sorted(set(b.trained.pairs()) - {(e, i) for e, i, _ in b.seen}) == at_checkpoint  # restored
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [1, 2, 3, 4]  # one line a step
     b.shutdown()
 
@@ -198,7 +201,7 @@ def test_dynamic_sampling_trains_only_informative_groups(ray_session, tmp_path, 
     assert ctl.counters["groups_filtered"] == len(ctl.filtered) and not ctl.counters["groups_filled"]
     for s in r["steps"]:
         assert s["frac_reward_zero_std"] == 0.0 and s["dynamic_sampling/filled"] == 0
-    used = [(e, i) for e, i, _ in ctl.seen + ctl.filtered] + [(e, i) for i, e in pending(ctl)]
+    used = [(e, i) for e, i, _ in list(ctl.seen) + list(ctl.filtered)] + [(e, i) for i, e in pending(ctl)]
     assert len(used) == len(set(used)), "a prompt was used twice in one epoch"
     ctl.shutdown()
 

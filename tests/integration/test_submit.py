@@ -3,6 +3,7 @@ here), run to the end, its metrics written."""
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -40,7 +41,8 @@ def ray_head(monkeypatch):
                                             "dashboard-agent-grpc-port", "runtime-env-agent-port",
                                             "ray-client-server-port", "metrics-export-port")}
     bindir = os.path.dirname(sys.executable)
-    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ["PATH"], RAY_AUTH_MODE="token")
+    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ["PATH"], RAY_AUTH_MODE="token",
+               RAY_metrics_report_interval_ms="500")  # the exported series follow each step within a second
     head = subprocess.Popen([os.path.join(bindir, "ray"), "start", "--head", "--block", "--num-cpus=4",
                              "--dashboard-host=127.0.0.1", f"--temp-dir={temp}"]
                             + [f"--{name}={port}" for name, port in ports.items()], env=env)
@@ -56,16 +58,42 @@ def ray_head(monkeypatch):
                 break
             except OSError:  # not up yet
                 time.sleep(1)
-        yield url
+        yield url, ports["metrics-export-port"]
     finally:
         head.terminate()  # ray start --block drains, then stops what it started
         head.wait(90)
         shutil.rmtree(temp, ignore_errors=True)
 
 
+def scrape(port: int) -> dict:
+    """The ray_tandem_* series of Ray's Prometheus export endpoint: {name: value} (one job: one value)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    series = (re.match(r"(ray_tandem_\w+)(?:\{[^}]*\})?\s+(\S+)", ln) for ln in text.splitlines())
+    return {m.group(1): float(m.group(2)) for m in series if m}
+
+
 def test_submit_runs_the_job_on_the_cluster(ray_head, tmp_path, tiny_model, capsys):
+    """Submitted with the token, its files filtered and listed; while it runs, the dashboard's metrics
+    endpoint exports the values metrics.jsonl records."""
+    import threading
+
     from tandem.services.cli import main
     from tandem.services.run import answered_within
+
+    ray_head, metrics_port = ray_head
+    snapshots, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            try:
+                if got := scrape(metrics_port):
+                    snapshots.append(got)
+            except OSError:
+                pass
+            time.sleep(0.3)
+    threading.Thread(target=watch, daemon=True).start()
 
     wd = tmp_path / "wd"
     wd.mkdir()
@@ -75,7 +103,7 @@ def test_submit_runs_the_job_on_the_cluster(ray_head, tmp_path, tiny_model, caps
            "data": {"path": "data.jsonl"},  # relative: the uploaded working directory is the job's
            "rewards": [f"{ROOT}/examples/rewards.py:digits_reward"],
            "generation": {"max_prompt_length": 64, "max_completion_length": 8},
-           "batch": {"num_generations": 4, "per_device_train_batch_size": 8, "max_steps": 2},
+           "batch": {"num_generations": 4, "per_device_train_batch_size": 8, "max_steps": 4},
            "logging": {"output_dir": str(out), "progress": False}}
     (wd / "job.yaml").write_text(yaml.safe_dump(job))
     (wd / ".env").write_text("SECRET=1\n")  # never leaves this machine
@@ -88,12 +116,21 @@ def test_submit_runs_the_job_on_the_cluster(ray_head, tmp_path, tiny_model, caps
                                            "optimizer.lr_scheduler_type=constant"]), 600)  # fail, never hang
     finally:
         os.chdir(ROOT)
+        done.set()
     printed = capsys.readouterr().out
     assert rc == 0, printed[-3000:]
     assert "submitted tandem-" in printed and "SUCCEEDED" in printed and "reward: first" in printed
     assert "uploading .: 2 files" in printed and "(data.jsonl, job.yaml)" in printed, printed[:500]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2] and all(r["lr"] == 0.01 for r in rows)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["lr"] == 0.01 for r in rows)
+    # the dashboard's series carry the record's values: a snapshot of each step's version holds its reward
+    by_version = {r["version"]: r for r in rows}
+    matched = [s for s in snapshots if s.get("ray_tandem_version") in by_version]
+    assert matched, f"no ray_tandem_* snapshot of a logged step among {len(snapshots)}: {snapshots[-1:]}"
+    for s in matched:
+        r = by_version[s["ray_tandem_version"]]
+        assert s["ray_tandem_reward"] == pytest.approx(r["reward"], rel=1e-6, abs=1e-9)
+        assert s["ray_tandem_loss"] == pytest.approx(r["loss"], rel=1e-6, abs=1e-9)
 
 
 def test_submit_refuses_a_bad_job_file_before_the_cluster(tmp_path, capsys):

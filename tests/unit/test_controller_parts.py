@@ -5,6 +5,7 @@ import json
 from collections import Counter
 
 import numpy as np
+import pytest
 
 from tandem.services.checkpointer import Checkpointer, complete_checkpoints
 from tandem.services.group_buffer import GroupBuffer
@@ -124,3 +125,41 @@ def test_rollout_rates_divide_by_engine_busy_time_not_the_cycle():
     assert r["rollout_busy_s"] == 2.0
     idle = rollout_rates(before, {"t": 11.0, "workers": before["workers"]})
     assert idle["rollout/gen_tokens_per_s"] == 0.0 and idle["rollout/busy_frac"] == 0.0
+
+
+def test_epoch_record_holds_every_use_once_in_bounded_space():
+    from tandem.services.epoch_record import OPEN_EPOCHS, EpochRecord
+
+    n = 1000
+    r = EpochRecord(n)
+    rng = np.random.default_rng(0)
+    for e in range(10):
+        for i in rng.permutation(n)[:700]:
+            r.add(e, int(i))
+    assert len(r) == 7000 and len(r.bits) == OPEN_EPOCHS  # closed epochs keep a count only
+    i = next(i for e, i in r.pairs() if e == 9)
+    with pytest.raises(RuntimeError, match=f"prompt {i} of epoch 9 was trained on twice"):
+        r.add(9, i)
+    st = json.loads(json.dumps(r.state()))
+    assert len(json.dumps(st)) < 3 * OPEN_EPOCHS * (n // 8) * 4 // 3 + 500  # bits, base64: not a list per group
+    again = EpochRecord(n)
+    again.load(st)
+    assert again.pairs() == r.pairs() and len(again) == len(r)
+    with pytest.raises(ValueError, match="a record of 1000 rows for a dataset of 999"):
+        EpochRecord(999).load(st)
+    old = EpochRecord.from_pairs(n, [[0, 3, 1], [0, 4, 1], [1, 3, 2]])  # an older checkpoint's list
+    assert old.pairs() == [(0, 3), (0, 4), (1, 3)]
+
+
+def test_run_log_warns_once_when_no_group_varies_for_ten_steps(tmp_path, capsys):
+    from tandem.services.run_log import FLAT_STEPS
+
+    log = RunLog(tmp_path / "metrics.jsonl")
+    log.write([{"step": s, "frac_reward_zero_std": 1.0} for s in range(1, FLAT_STEPS)])
+    assert "warning" not in capsys.readouterr().out
+    log.write([{"step": FLAT_STEPS, "frac_reward_zero_std": 1.0}, {"step": FLAT_STEPS + 1, "frac_reward_zero_std": 1.0}])
+    out = capsys.readouterr().out
+    assert out.count("warning") == 1 and f"for {FLAT_STEPS} steps in a row (to step {FLAT_STEPS})" in out
+    log.write([{"step": 12, "frac_reward_zero_std": 0.5}] + [{"step": 13 + i, "frac_reward_zero_std": 1.0}
+                                                              for i in range(FLAT_STEPS - 1)])
+    assert "warning" not in capsys.readouterr().out  # a step with variance starts the count again

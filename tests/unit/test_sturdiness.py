@@ -140,3 +140,39 @@ def test_submit_uploads_what_ray_would_minus_secrets_and_history(tmp_path):
     got = dict(uploaded_files(str(tmp_path)))
     assert set(got) == {"job.yaml", "data/train.jsonl", "rewards.py", ".gitignore", ".rayignore"}, got
     assert got["job.yaml"] == 5
+
+
+def test_lengths_past_the_models_positions_are_refused_naming_both_fields(tmp_path):
+    from tandem.core.checks import length_error
+    from tandem.core.config import JobConfig
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    job = {"model": {"path": str(tmp_path)}, "data": {"path": "d.jsonl"}, "rewards": ["r.py:f"]}
+    ok = JobConfig.from_dict({**job, "generation": {"max_prompt_length": 256, "max_completion_length": 256}})
+    assert length_error(ok) is None
+    bad = JobConfig.from_dict({**job, "generation": {"max_prompt_length": 300, "max_completion_length": 256}})
+    msg = length_error(bad)
+    assert "max_prompt_length + generation.max_completion_length = 300 + 256 = 556" in msg
+    assert "model's 512 positions" in msg and "allowed: a sum <= 512" in msg
+
+
+def test_a_resource_no_node_has_is_named_with_what_the_nodes_have():
+    from tandem.core.checks import resource_errors
+    from tandem.core.config import JobConfig
+
+    nodes = [{"Alive": True, "Resources": {"CPU": 8.0, "memory": 1e9}},
+             {"Alive": True, "Resources": {"CPU": 4.0, "GPU": 1.0, "rollout": 1.0}},
+             {"Alive": False, "Resources": {"CPU": 64.0, "GPU": 8.0}}]  # a dead node holds nothing
+    job = {"model": {"path": "m"}, "data": {"path": "d.jsonl"}, "rewards": ["r.py:f"]}
+
+    def errs(cluster):
+        return resource_errors(JobConfig.from_dict({**job, "cluster": cluster}), nodes)
+    assert errs({}) == []
+    assert errs({"rollout_resources": {"num_cpus": 4, "num_gpus": 1, "resources": {"rollout": 1}}}) == []
+    # each fits some node, but not together on one: refused
+    (e,) = errs({"rollout_resources": {"num_cpus": 6, "num_gpus": 1}})
+    assert e.startswith("cluster.rollout_resources = {'CPU': 6.0, 'GPU': 1.0}: no node") and "'GPU': 1.0}" in e
+    (e,) = errs({"learner_resources": {"num_gpus": 2}})
+    assert "cluster.learner_resources" in e and "the most any node has: {'CPU': 8.0, 'GPU': 1.0}" in e
+    assert len(errs({"learner_resources": {"resources": {"learner": 1}},
+                     "rollout_resources": {"num_gpus": 0.5, "resources": {"rollout": 2}}})) == 2

@@ -1,0 +1,63 @@
+"""`tandem run` keeps its driver alive as torchrun's elastic agent keeps its workers: the driver is a
+child process, and when it dies of a signal nobody here sent (SIGKILL, the OOM killer) it is started
+again with checkpoint.resume=true, at most cluster.max_restarts times. Its embedded Ray, controller,
+learner and rollout workers die with it (Ray ties them to their driver), so the new driver finds the
+run directory as the old one left it: the newest checkpoint is resumed, the later metrics lines cut.
+Ctrl-C and SIGTERM here are passed on once (the driver saves a checkpoint and exits 130)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+
+SUPERVISED = "TANDEM_SUPERVISED"  # set in the driver's environment: it runs the job itself
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the supervisor dies (even by SIGKILL), so no driver is left orphaned."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the driver then outlives a killed supervisor
+        pass
+
+
+def supervise(argv: list[str], max_restarts: int, out=sys.stderr) -> int:
+    """Runs `tandem run argv` as a child until it ends by itself; -> its exit status."""
+    cmd = [sys.executable, "-m", "tandem.services.cli", "run", *argv]
+    env = dict(os.environ, **{SUPERVISED: "1"})
+    restarts = 0
+    while True:
+        # its own session: a terminal's Ctrl-C reaches only us, and we pass on exactly one
+        child = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        sent = []
+
+        def forward(signum, frame, child=child, sent=sent):
+            if not sent:
+                sent.append(signum)
+                child.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+        old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while True:
+                try:
+                    rc = child.wait()
+                    break
+                except KeyboardInterrupt:  # a signal arrived between two handlers: pass it on, keep waiting
+                    forward(signal.SIGINT, None)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        if rc >= 0 or sent:
+            return rc if rc >= 0 else 128 - rc  # the shell's convention for a death by signal
+        restarts += 1
+        name = signal.Signals(-rc).name
+        if restarts > max_restarts:
+            print(f"tandem: the driver died of {name} {restarts} times (cluster.max_restarts = {max_restarts}); "
+                  "stopping", file=out, flush=True)
+            return 1
+        print(f"tandem: the driver died of {name}; restart {restarts} of {max_restarts} from the newest "
+              "checkpoint", file=out, flush=True)
+        if "checkpoint.resume=true" not in cmd:
+            cmd += ["--set", "checkpoint.resume=true"]
