@@ -97,6 +97,13 @@ class Learner:
         self.version = 0
         self.steps = 0
 
+    def placement(self) -> dict:
+        """Where Ray put this rank (before setup): its node and the GPU ids it was given."""
+        import ray
+
+        return {"rank": self.rank, "node": ray.get_runtime_context().get_node_id(),
+                "gpus": [str(g) for g in ray.get_gpu_ids()]}
+
     def setup(self) -> int:
         cfg = self.cfg
         check_learner_device(cfg)

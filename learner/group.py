@@ -13,6 +13,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def learner_actor_class(cfg, cls):
+    """`cls` (the Learner) as a Ray actor asking for the job's learner resources, one per rank."""
+    import ray
+
+    r = cfg.cluster.learner_resources
+    return ray.remote(num_cpus=r.num_cpus, num_gpus=r.num_gpus, resources=r.resources or None,
+                      runtime_env={"env_vars": learner_env_vars(r.num_gpus > 0)})(cls)
+
+
 class LearnerGroup:
     def __init__(self, cfg, total_steps: int, optimizer=None, probe: str | None = None, wait: bool = True):
         """Starts the actors; waits for every rank's setup (the process group forms there) unless
@@ -21,20 +30,23 @@ class LearnerGroup:
 
         from tandem.learner.actor import Learner
 
-        r = cfg.cluster.learner_resources
         n = cfg.cluster.num_processes
-        cls = ray.remote(num_cpus=r.num_cpus, num_gpus=r.num_gpus, resources=r.resources or None,
-                         runtime_env={"env_vars": learner_env_vars(r.num_gpus > 0)})(Learner)
+        cls = learner_actor_class(cfg, Learner)
         master = ray.util.get_node_ip_address()
         port = _free_port()
         self.actors = [cls.remote(cfg, rank, n, master, port, total_steps, optimizer, probe) for rank in range(n)]
+        self._placed = [a.placement.remote() for a in self.actors]
         self._setup = [a.setup.remote() for a in self.actors]
+        self._cfg = cfg
         if wait:
             self.ready()
 
     def ready(self) -> None:
         import ray
 
+        from tandem.core.checks import raise_if, shared_gpu_error
+
+        raise_if([shared_gpu_error(self._cfg, ray.get(self._placed))])  # before NCCL fails on it, obscurely
         ray.get(self._setup)
 
     def _all(self, method: str, *args):

@@ -110,6 +110,22 @@ def resource_errors(cfg: JobConfig, nodes: list[dict]) -> list[str]:
     return out
 
 
+def shared_gpu_error(cfg: JobConfig, placements: list[dict]) -> str | None:
+    """Learner ranks Ray put on the same GPU of one node (it fills a GPU with fractional requests before
+    the next): NCCL needs a GPU per rank. placements: [{"rank", "node", "gpus"}]."""
+    owner: dict = {}
+    for p in placements:
+        for g in p["gpus"]:
+            other = owner.setdefault((p["node"], g), p["rank"])
+            if other != p["rank"]:
+                n = cfg.cluster.learner_resources.num_gpus
+                return (f"cluster.learner_resources.num_gpus = {n} with cluster.num_processes = "
+                        f"{cfg.cluster.num_processes}: Ray placed learner ranks {other} and {p['rank']} on the same "
+                        f"GPU ({g}) of one node, and NCCL needs one GPU per rank; allowed: num_gpus above 0.5 per "
+                        "rank (the learner's share of each GPU; the rollout workers take the rest), or 1")
+    return None
+
+
 def raise_if(errors: list[str | None]) -> None:
     found = [e for e in errors if e]
     if found:
