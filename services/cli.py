@@ -9,7 +9,7 @@ import time
 import warnings
 from pathlib import Path
 
-from tandem.core.config import JobConfig, JobConfigError, JobShape
+from tandem.core.config import JobConfig, JobConfigError, JobShape, with_absolute_paths
 from tandem.core.plan import BatchPlan, arithmetic, table
 
 
@@ -46,7 +46,7 @@ def cmd_run(args) -> int:
     from tandem.core.checks import check_inputs
     from tandem.services.supervisor import SUPERVISED, supervise
 
-    cfg = JobConfig.from_yaml(args.job, args.set)
+    cfg = with_absolute_paths(JobConfig.from_yaml(args.job, args.set), os.getcwd())  # actors start elsewhere
     address = args.address or cfg.cluster.address
     check_inputs(cfg)  # the driver sees the same files as every node (README: shared filesystem)
     if cfg.cluster.max_restarts > 0 and not os.environ.get(SUPERVISED):  # the driver as a child, restarted

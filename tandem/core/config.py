@@ -403,6 +403,28 @@ class JobShape(JobConfig):
 # ------------------------------------------------------------------------------------- helpers
 
 
+def with_absolute_paths(cfg: JobConfig, base: str | os.PathLike) -> JobConfig:
+    """The job with its relative paths (model, data, eval, reward files, run and checkpoint directories)
+    made absolute against `base`, the driver's working directory: actors on a cluster start elsewhere
+    (`tandem run --address` joined a `ray start` whose workers run in another directory)."""
+    b = Path(base)
+
+    def absolute(v):
+        return v if v is None or Path(v).is_absolute() else str(b / v)
+
+    def reward(spec: str) -> str:
+        target, sep, name = spec.rpartition(":")
+        return f"{absolute(target)}{sep}{name}" if target.endswith(".py") else spec
+    return cfg.model_copy(update={
+        "model": cfg.model.model_copy(update={"path": absolute(cfg.model.path)}),
+        "data": cfg.data.model_copy(update={"path": absolute(cfg.data.path)}),
+        "eval": cfg.eval.model_copy(update={"path": absolute(cfg.eval.path)}),
+        "rewards": [reward(r) for r in cfg.rewards],
+        "logging": cfg.logging.model_copy(update={"output_dir": absolute(cfg.logging.output_dir)}),
+        "checkpoint": cfg.checkpoint.model_copy(update={"dir": absolute(cfg.checkpoint.dir)}),
+    })
+
+
 def read_job_file(path: str | os.PathLike) -> dict[str, Any]:
     """The one reader of job files: a YAML mapping of sections, unvalidated."""
     p = Path(path)

@@ -176,3 +176,18 @@ def test_a_resource_no_node_has_is_named_with_what_the_nodes_have():
     assert "cluster.learner_resources" in e and "the most any node has: {'CPU': 8.0, 'GPU': 1.0}" in e
     assert len(errs({"learner_resources": {"resources": {"learner": 1}},
                      "rollout_resources": {"num_gpus": 0.5, "resources": {"rollout": 2}}})) == 2
+
+
+def test_relative_paths_become_absolute_against_the_drivers_directory(tmp_path):
+    """`tandem run --address`: the actors start in the cluster's directories, not the driver's."""
+    from tandem.core.config import JobConfig, with_absolute_paths
+
+    cfg = JobConfig.from_dict({"model": {"path": "models/tiny"}, "data": {"path": "data/train.jsonl"},
+                               "eval": {"path": "/abs/eval.jsonl"}, "rewards": ["rewards.py:r", "pkg.mod:f"],
+                               "logging": {"output_dir": "runs/a"}})
+    got = with_absolute_paths(cfg, tmp_path)
+    assert got.model.path == str(tmp_path / "models/tiny") and got.data.path == str(tmp_path / "data/train.jsonl")
+    assert got.eval.path == "/abs/eval.jsonl" and got.rewards == [f"{tmp_path}/rewards.py:r", "pkg.mod:f"]
+    assert got.logging.output_dir == str(tmp_path / "runs/a") and got.checkpoint.dir is None
+    assert got.checkpoint_dir == str(tmp_path / "runs/a" / "checkpoints")
+    assert cfg.data.path == "data/train.jsonl"  # the job itself is untouched
