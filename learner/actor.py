@@ -29,7 +29,7 @@ from tandem.learner.batch import Samples, collate, to_device
 from tandem.learner.logprobs import completion_grpo_loss, completion_logprobs
 from tandem.learner.loss import LossInputs, grpo_loss, grpo_metrics, tis_weight, token_weights
 from tandem.learner.model import load_frozen_reference, load_policy, reference_context, trainable_state_dict
-from tandem.learner.safe_load import CheckpointRefused, refuse_pickles
+from tandem.learner.safe_load import CheckpointRefused, CheckpointWriteError, refuse_pickles
 
 
 def _check_token_ids(groups, vocab: int):
@@ -332,13 +332,22 @@ class Learner:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         self._barrier()
-        self.engine.save_checkpoint(str(tmp), tag="state", save_latest=False)
-        self._save_artifact(tmp)
-        save_rng(tmp / f"rng_rank{self.rank}.safetensors")
-        self._barrier()
+        try:
+            self.engine.save_checkpoint(str(tmp), tag="state", save_latest=False)
+            self._save_artifact(tmp)
+            save_rng(tmp / f"rng_rank{self.rank}.safetensors")
+            self._barrier()
+            if self.rank == 0:
+                (tmp / "tandem.json").write_text(json.dumps({"version": self.version, "steps": self.steps,
+                                                             **(extra or {})}))
+        except (OSError, RuntimeError) as e:  # a full disk surfaces as torch's "unexpected pos ..." too
+            shutil.rmtree(tmp, ignore_errors=True)
+            usage = shutil.disk_usage(final.parent) if final.parent.exists() else None
+            free = f"{usage.free / 2**20:.0f} MiB free there" if usage else "its directory is gone"
+            raise CheckpointWriteError(f"checkpoint: writing {tmp} failed ({type(e).__name__}: {str(e)[:200]}; "
+                                       f"{free}): nothing was half-written, the previous checkpoints are kept; "
+                                       "allowed: a run directory with room for a checkpoint") from e
         if self.rank == 0:
-            (tmp / "tandem.json").write_text(json.dumps({"version": self.version, "steps": self.steps,
-                                                         **(extra or {})}))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
         self._barrier()

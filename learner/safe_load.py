@@ -13,6 +13,10 @@ class CheckpointRefused(RuntimeError):
     """A checkpoint file holds something loading it would have to run."""
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full disk): its temporary directory is gone, older ones stay."""
+
+
 def deepspeed_state_classes() -> list:
     """The plain classes DeepSpeed writes into its optimizer files (found by loading them with
     weights_only=True at ZeRO 0/2/3, fp32 and bf16): a loss scaler, the ZeRO stage, fragment addresses."""

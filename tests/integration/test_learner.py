@@ -311,3 +311,47 @@ def test_a_planted_pickle_in_any_checkpoint_file_is_refused_and_runs_nothing(tmp
         assert not marker.exists(), f"loading {rel} ran the planted code"
     b.load_checkpoint(str(ck))  # the untouched checkpoint still loads
     assert b.version == 1
+
+
+FULL_DISK = r'''
+import os, resource, signal, socket, sys
+sys.path.insert(0, ROOT)
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+from pathlib import Path
+from tests.helpers import make_job
+from tests.helpers.learner import make_groups, started
+from tandem.learner.actor import Learner
+from tandem.learner.safe_load import CheckpointWriteError
+
+tmp = Path(TMP)
+cfg = make_job(tmp, MODEL, [f"{ROOT}/examples/rewards.py:length_reward"], model={"fast_inference": False},
+               cluster={"zero_stage": 2}, batch={"per_device_train_batch_size": 4, "num_generations": 4})
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+a = started(Learner(cfg, port=port))
+a.train(make_groups(1, 4))
+good = a.save_checkpoint(str(tmp / "ck" / "cycle-000001"))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, resource.RLIM_INFINITY))
+try:
+    a.save_checkpoint(str(tmp / "ck" / "cycle-000002"))
+    print("NO ERROR")
+except CheckpointWriteError as e:
+    print("REFUSED", e)
+'''
+
+
+def test_a_checkpoint_that_cannot_be_written_names_its_path_and_leaves_nothing_half_written(tmp_path, tiny_model):
+    """Files may not grow past 20 kB (RLIMIT_FSIZE: writes fail as on a full disk): the save fails with
+    one message naming the checkpoint's path; no partial directory is left, the previous one stays."""
+    import subprocess
+    import sys
+
+    script = f"ROOT = {str(ROOT)!r}\nTMP = {str(tmp_path)!r}\nMODEL = {tiny_model!r}\n" + FULL_DISK
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-2000:]
+    assert out.startswith(f"REFUSED checkpoint: writing {tmp_path / 'ck' / 'cycle-000002.tmp'} failed"), out
+    assert "nothing was half-written" in out
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["cycle-000001"]
+    assert (tmp_path / "ck" / "cycle-000001" / "tandem.json").is_file()
