@@ -70,19 +70,37 @@ def start_controller(ray, cfg, resource_wait_s: float = 0.0):
     from tandem.services.controller import Controller
 
     name = controller_name(cfg.logging.output_dir)
-    try:
-        ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError:
-        ctl = ray.remote(num_cpus=0, max_concurrency=2)(Controller).options(
-            name=name, namespace=NAMESPACE).remote(cfg)
-        try:  # waited for: a threaded actor does not keep its calls in order
-            ray.get(ctl.setup.remote(resource_wait_s))
-        except BaseException:
-            ray.kill(ctl)  # frees the name
-            raise
-        return ctl
-    raise JobConfigError(f"logging.output_dir = {cfg.logging.output_dir!r}: a job writing there is already "
-                         "running on this Ray cluster; allowed: a run directory no running job uses")
+    if not name_is_free(ray, name):
+        raise JobConfigError(f"logging.output_dir = {cfg.logging.output_dir!r}: a job writing there is already "
+                             "running on this Ray cluster; allowed: a run directory no running job uses")
+    ctl = ray.remote(num_cpus=0, max_concurrency=2)(Controller).options(
+        name=name, namespace=NAMESPACE).remote(cfg)
+    try:  # waited for: a threaded actor does not keep its calls in order
+        ray.get(ctl.setup.remote(resource_wait_s))
+    except BaseException:
+        ray.kill(ctl)  # frees the name
+        raise
+    return ctl
+
+
+def name_is_free(ray, name: str, patience_s: float = 60.0) -> bool:
+    """No live controller holds `name`. One that is dying (its driver was killed a moment ago: Ray
+    kills a driver's actors once it notices) is waited for, up to patience_s."""
+    end = time.time() + patience_s
+    while True:
+        try:
+            held = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return True
+        try:
+            ray.get(held.status.remote(), timeout=10)
+            return False  # it answers: a running job
+        except ray.exceptions.GetTimeoutError:
+            return False  # alive but busy: a running job all the same
+        except ray.exceptions.RayActorError:
+            if time.time() > end:
+                return False
+            time.sleep(0.5)
 
 
 def connect_controller(output_dir: str, address: str | None):
@@ -291,14 +309,7 @@ def restart_job(ray, cfg, ctl, error, restarts: int, out, resource_wait_s: float
     print(f"tandem: {reason}; restart {restarts} of {cfg.cluster.max_restarts} from the newest checkpoint", file=out)
     with contextlib.suppress(Exception):
         ray.get(ctl.shutdown.remote(), timeout=60)  # a live controller stops its actors (engines first)
-    ray.kill(ctl)
-    name = controller_name(cfg.logging.output_dir)
-    for _ in range(300):  # the name is free once the actor is gone
-        try:
-            ray.get_actor(name, namespace=NAMESPACE)
-        except ValueError:
-            break
-        time.sleep(0.1)
+    ray.kill(ctl)  # start_controller waits for its name to be free
     again = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": True})})
     ctl = start_controller(ray, again, resource_wait_s)
     resumed = ray.get(ctl.resume.remote())

@@ -56,3 +56,58 @@ def ray_session(tmp_path_factory):
              _temp_dir=str(tmp_path_factory.mktemp("ray")), configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_head():
+    """A second Ray cluster, started as users start one (`ray start --head`, token-authenticated, its
+    dashboard on loopback), shared by the tests that need a real cluster. Every port its own: the
+    suite's Ray already holds the defaults (a job head talking to the other cluster's agent on 52365
+    never answered). -> {url (Jobs API), gcs (address for --address), metrics_port, token, pid}."""
+    import secrets
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    import time
+    import urllib.error
+    import urllib.request
+
+    token = secrets.token_hex(32)
+    temp = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths must stay under 108 bytes
+    ports = {name: _free_port() for name in ("port", "dashboard-port", "dashboard-agent-listen-port",
+                                             "dashboard-agent-grpc-port", "runtime-env-agent-port",
+                                             "ray-client-server-port", "metrics-export-port")}
+    bindir = os.path.dirname(sys.executable)
+    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ["PATH"], RAY_AUTH_MODE="token",
+               RAY_AUTH_TOKEN=token,
+               RAY_metrics_report_interval_ms="500")  # the exported series follow each step within a second
+    head = subprocess.Popen([os.path.join(bindir, "ray"), "start", "--head", "--block", "--num-cpus=6",
+                             "--dashboard-host=127.0.0.1", f"--temp-dir={temp}"]
+                            + [f"--{name}={port}" for name, port in ports.items()], env=env)
+    url = f"http://127.0.0.1:{ports['dashboard-port']}"
+    try:
+        for _ in range(120):
+            assert head.poll() is None, "the Ray head exited"
+            try:
+                urllib.request.urlopen(f"{url}/api/jobs/", timeout=5)
+                raise AssertionError("the Jobs API answered a request without the token")
+            except urllib.error.HTTPError as e:
+                assert e.code == 401, e  # up, and refusing strangers
+                break
+            except OSError:  # not up yet
+                time.sleep(1)
+        yield {"url": url, "gcs": f"127.0.0.1:{ports['port']}", "metrics_port": ports["metrics-export-port"],
+               "token": token, "pid": head.pid}
+    finally:
+        head.terminate()  # ray start --block drains, then stops what it started
+        head.wait(90)
+        shutil.rmtree(temp, ignore_errors=True)

@@ -4,11 +4,6 @@ here), run to the end, its metrics written."""
 import json
 import os
 import re
-import shutil
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 
 import pytest
@@ -17,53 +12,6 @@ import yaml
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.integration
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def ray_head(monkeypatch):
-    """A second Ray cluster, started as users start one (`ray start --head`), with its dashboard (the
-    Jobs API). Every port its own: the suite's Ray already holds the defaults (a job head talking to
-    the other cluster's agent on 52365 never answered). Token-authenticated, as the README starts one;
-    this process holds the token as a user's machine would (RAY_AUTH_TOKEN), nothing else."""
-    import secrets
-    import urllib.error
-    import urllib.request
-
-    token = secrets.token_hex(32)
-    monkeypatch.setenv("RAY_AUTH_TOKEN", token)
-    temp = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths must stay under 108 bytes
-    ports = {name: free_port() for name in ("port", "dashboard-port", "dashboard-agent-listen-port",
-                                            "dashboard-agent-grpc-port", "runtime-env-agent-port",
-                                            "ray-client-server-port", "metrics-export-port")}
-    bindir = os.path.dirname(sys.executable)
-    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ["PATH"], RAY_AUTH_MODE="token",
-               RAY_metrics_report_interval_ms="500")  # the exported series follow each step within a second
-    head = subprocess.Popen([os.path.join(bindir, "ray"), "start", "--head", "--block", "--num-cpus=4",
-                             "--dashboard-host=127.0.0.1", f"--temp-dir={temp}"]
-                            + [f"--{name}={port}" for name, port in ports.items()], env=env)
-    url = f"http://127.0.0.1:{ports['dashboard-port']}"
-    try:
-        for _ in range(120):
-            assert head.poll() is None, "the Ray head exited"
-            try:
-                urllib.request.urlopen(f"{url}/api/jobs/", timeout=5)
-                raise AssertionError("the Jobs API answered a request without the token")
-            except urllib.error.HTTPError as e:
-                assert e.code == 401, e  # up, and refusing strangers
-                break
-            except OSError:  # not up yet
-                time.sleep(1)
-        yield url, ports["metrics-export-port"]
-    finally:
-        head.terminate()  # ray start --block drains, then stops what it started
-        head.wait(90)
-        shutil.rmtree(temp, ignore_errors=True)
-
 
 def scrape(port: int) -> dict:
     """The ray_tandem_* series of Ray's Prometheus export endpoint: {name: value} (one job: one value)."""
@@ -74,7 +22,7 @@ def scrape(port: int) -> dict:
     return {m.group(1): float(m.group(2)) for m in series if m}
 
 
-def test_submit_runs_the_job_on_the_cluster(ray_head, tmp_path, tiny_model, capsys):
+def test_submit_runs_the_job_on_the_cluster(ray_head, tmp_path, tiny_model, capsys, monkeypatch):
     """Submitted with the token, its files filtered and listed; while it runs, the dashboard's metrics
     endpoint exports the values metrics.jsonl records."""
     import threading
@@ -82,7 +30,8 @@ def test_submit_runs_the_job_on_the_cluster(ray_head, tmp_path, tiny_model, caps
     from tandem.services.cli import main
     from tandem.services.run import answered_within
 
-    ray_head, metrics_port = ray_head
+    monkeypatch.setenv("RAY_AUTH_TOKEN", ray_head["token"])  # what this machine holds, nothing else
+    metrics_port = ray_head["metrics_port"]
     snapshots, done = [], threading.Event()
 
     def watch():
@@ -111,7 +60,7 @@ def test_submit_runs_the_job_on_the_cluster(ray_head, tmp_path, tiny_model, caps
     (wd / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     os.chdir(wd)  # the job file and its data as a user would have them (pytest restores nothing: go back)
     try:
-        rc = answered_within(lambda: main(["submit", "job.yaml", "--address", ray_head, "--wait", "--set",
+        rc = answered_within(lambda: main(["submit", "job.yaml", "--address", ray_head["url"], "--wait", "--set",
                                            "optimizer.learning_rate=0.01", "--set",
                                            "optimizer.lr_scheduler_type=constant"]), 600)  # fail, never hang
     finally:
