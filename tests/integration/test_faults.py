@@ -110,8 +110,9 @@ def test_every_death_on_a_ray_start_cluster_is_survived_and_sigterm_saves_within
                                                                                        tiny_model):
     """`tandem run --address` on a token-auth `ray start` head, as the README runs it. SIGKILL of the rollout
     worker (replaced), of the learner and of the controller (each: the job restarts from its newest
-    checkpoint), of the driver (`tandem run` starts it again); then SIGTERM during a cycle whose reward
-    takes 40 s: a checkpoint within seconds, rc 130. One metrics line per step; no prompt trained twice."""
+    checkpoint), of the driver (`tandem run` starts it again); then, during a cycle whose reward takes
+    40 s, `tandem status --address` (answered) and SIGTERM (a checkpoint within seconds, rc 130). One
+    metrics line per step; no prompt trained twice."""
     import subprocess
     import sys
 
@@ -160,6 +161,8 @@ def test_every_death_on_a_ray_start_cluster_is_survived_and_sigterm_saves_within
                  and len(lines(metrics)) >= 10, "step 10 after the driver's death")
         slow.write_text("")
         time.sleep(2.0)  # the next cycle's groups are being scored slowly now
+        st = subprocess.run([sys.executable, "-m", "tandem.services.cli", "status", "job.yaml", "--address",
+                             ray_head["gcs"]], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
         t0 = time.time()
         p.send_signal(signal.SIGTERM)
         rc = p.wait(120)
@@ -170,6 +173,8 @@ def test_every_death_on_a_ray_start_cluster_is_survived_and_sigterm_saves_within
     time.sleep(0.5)
     out = "".join(text)
     assert rc == 130, out[-4000:]
+    # `tandem status` reached the job through the token-auth head mid-cycle (the controller's second thread)
+    assert st.returncode == 0 and "rollout workers 1 (target 1)" in st.stdout, st.stdout + st.stderr
     assert took < 25, f"SIGTERM took {took:.0f} s"
     assert "the driver died of SIGKILL; restart 1 of 2 from the newest checkpoint" in out
     assert out.count("resumed from checkpoint: ") >= 3 and "interrupted: saving a checkpoint" in out
