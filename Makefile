@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: install
-	$(BIN)/python -m pytest -q -x tests
+	$(BIN)/python -m pytest -q -x --durations=12 tests
 
 unit: install
 	$(BIN)/python -m pytest -q tests/unit

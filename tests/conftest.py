@@ -29,7 +29,9 @@ def job_files(tmp_path):
 
 def pytest_collection_modifyitems(config, items):
     # Integration tests after the fast unit tests, so a broken unit shows up in seconds.
-    items.sort(key=lambda it: it.get_closest_marker("integration") is not None)
+    # The tests of the `ray start` head last, together: its processes then run beside no other test.
+    items.sort(key=lambda it: (it.get_closest_marker("integration") is not None,
+                               "ray_head" in getattr(it, "fixturenames", ())))
 
 
 @pytest.fixture(scope="session")

@@ -35,12 +35,16 @@ class Probe:
                                                        "TORCHDYNAMO_DISABLE")}}
 
 
-def placed(cluster):
+def placed(cluster, rollout_first=False):
     cfg = JobConfig.from_dict({"model": {"path": "m"}, "data": {"path": "d.jsonl"}, "rewards": ["r.py:f"],
                                "cluster": cluster})
+    roll = []
+    if rollout_first:  # a GPU already taken (e.g. by another job): the ranks must share the other one
+        roll = [rollout_actor_class(cfg, cls=Probe).remote() for _ in range(cfg.cluster.num_rollout_workers)]
+        ray.get([a.where.remote() for a in roll])
     # in the controller's order: the learner ranks first, then the rollout workers
     learn = [learner_actor_class(cfg, Probe).remote(r) for r in range(cfg.cluster.num_processes)]
-    roll = [rollout_actor_class(cfg, cls=Probe).remote() for _ in range(cfg.cluster.num_rollout_workers)]
+    roll = roll or [rollout_actor_class(cfg, cls=Probe).remote() for _ in range(cfg.cluster.num_rollout_workers)]
     out = {"learner": ray.get([a.where.remote() for a in learn]), "rollout": ray.get([a.where.remote() for a in roll])}
     out["error"] = shared_gpu_error(cfg, out["learner"])
     for a in roll + learn:
@@ -56,7 +60,7 @@ print(json.dumps({
     "x2_two_ranks": placed({"num_processes": 2, "learner_resources": {"num_gpus": 0.6},
                             "rollout_resources": {"num_gpus": 0.4}, "num_rollout_workers": 2}),
     "x2_packed": placed({"num_processes": 2, "learner_resources": {"num_gpus": 0.5},
-                         "rollout_resources": {"num_gpus": 0.5}, "num_rollout_workers": 2}),
+                         "rollout_resources": {"num_gpus": 1}}, rollout_first=True),
     "cpu": placed({}),
 }))
 '''
@@ -81,7 +85,8 @@ def test_each_role_lands_on_the_gpus_its_resources_say():
     assert sorted(g[0] for g in gpus("x2_two_ranks", "learner")) == ["0", "1"], got["x2_two_ranks"]
     assert sorted(g[0] for g in gpus("x2_two_ranks", "rollout")) == ["0", "1"]
     assert got["x2_two_ranks"]["error"] is None
-    # halves: Ray fills GPU 0 with both ranks first; the learner refuses that before NCCL would
+    # halves, one GPU left: Ray puts both ranks on it (it may also do so with both GPUs free: first fit);
+    # the learner refuses that before NCCL would
     assert len({g[0] for g in gpus("x2_packed", "learner")}) == 1
     assert got["x2_packed"]["error"].startswith("cluster.learner_resources.num_gpus = 0.5 with cluster.num_processes"
                                                 " = 2: Ray placed learner ranks 0 and 1 on the same GPU")
