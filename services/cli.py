@@ -48,10 +48,10 @@ def cmd_run(args) -> int:
 
     cfg = with_absolute_paths(JobConfig.from_yaml(args.job, args.set), os.getcwd())  # actors start elsewhere
     address = args.address or cfg.cluster.address
-    check_inputs(cfg)  # the driver sees the same files as every node (README: shared filesystem)
-    if cfg.cluster.max_restarts > 0 and not os.environ.get(SUPERVISED):  # the driver as a child, restarted
-        return supervise([args.job, *(x for s in args.set for x in ("--set", s)),
+    if cfg.cluster.max_restarts > 0 and not os.environ.get(SUPERVISED):  # the driver as a child, restarted;
+        return supervise([args.job, *(x for s in args.set for x in ("--set", s)),  # it checks the inputs
                           *(["--address", args.address] if args.address else [])], cfg.cluster.max_restarts)
+    check_inputs(cfg)  # the driver sees the same files as every node (README: shared filesystem)
     from tandem.services.run import run_job
 
     return run_job(cfg, address=address)
