@@ -58,7 +58,10 @@ class WandB:
         self.run.log(scalars(line), step=int(line["step"]))
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        wandb.teardown()  # finish() only informs the service; its last records reach the run file at teardown
 
 
 class MLflow:
