@@ -11,7 +11,8 @@ publishing timed by its parts.
 - worker_batch: the worker's `generate` (one call with every prompt).
 - ray_worker: the worker as the job runs it, a threaded Ray actor in its own process, fed one
   `rollout` call per prompt from this process (what the controller does), groups fetched by ref.
-Publishing: `set_adapter` end to end, and `load_adapter` (files + vLLM's add_lora) alone.
+Publishing: `set_adapter` end to end, `load_adapter` (vLLM's add_lora from the tensors) alone, and the
+adapter's trip through Ray's serialization as torch tensors and as the WeightsPayload the learner sends.
 """
 
 from __future__ import annotations
@@ -120,11 +121,16 @@ def main():
     model = load_policy(cfg)
     sd = {k: (v.detach().clone() + 0.01 * torch.randn_like(v)).to(getattr(torch, cfg.model.dtype))
           for k, v in trainable_state_dict(model).items()}
-    import tempfile
+    import pickle
 
-    from tandem.core.adapter import write_peft_adapter
+    from tandem.core.protocol import WeightsPayload, as_torch
 
-    pub, load, write, busy = [], [], [], []
+    def trip(obj):  # what ray.put in the learner and the argument's fetch in the worker do
+        bufs = []
+        data = pickle.dumps(obj, protocol=5, buffer_callback=bufs.append)
+        return as_torch(pickle.loads(data, buffers=bufs))
+
+    pub, load, wire_torch, wire_payload, busy = [], [], [], [], []
     for v in range(1, 2 + 2 * a.reps):
         t = time.perf_counter()
         w.set_adapter(v, sd)
@@ -133,10 +139,12 @@ def main():
         eng.load_adapter(100 + v, sd)
         load.append(time.perf_counter() - t)
         eng.drop_adapters([100 + v])
-        with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
-            t = time.perf_counter()
-            write_peft_adapter(Path(d) / "a", sd, cfg.model.lora, cfg.model.path)
-            write.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        trip(sd)
+        wire_torch.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        trip(WeightsPayload.from_torch(sd))
+        wire_payload.append(time.perf_counter() - t)
     for v in range(50, 50 + a.reps):  # published while the engine generates a batch
         th = threading.Thread(target=c_worker)
         th.start()
@@ -153,8 +161,9 @@ def main():
         print(f"| {name} | {s:.3f} | {tps:.0f} | {tps / base:.2f} |")
     print(f"\n| publish | median s |\n| --- | --- |\n| set_adapter (idle engine) | {statistics.median(pub[1:]):.4f} |"
           f"\n| set_adapter (engine generating) | {statistics.median(busy):.4f} |"
-          f"\n| load_adapter (files + add_lora) | {statistics.median(load[1:]):.4f} |"
-          f"\n| write_peft_adapter (files) | {statistics.median(write[1:]):.4f} |"
+          f"\n| load_adapter (add_lora from the tensors) | {statistics.median(load[1:]):.4f} |"
+          f"\n| serialize + deserialize, torch tensors | {statistics.median(wire_torch[1:]):.4f} |"
+          f"\n| serialize + deserialize, WeightsPayload | {statistics.median(wire_payload[1:]):.4f} |"
           f"\n| adapter tensors | {len(sd)}, {sum(t.numel() * t.element_size() for t in sd.values()) / 1e6:.1f} MB |")
     w.shutdown()
     for name, (s, tps) in ray_worker(cfg, items, a.reps).items():

@@ -28,7 +28,13 @@ from tandem.learner.advantages import compute_advantages, total_rewards, with_ov
 from tandem.learner.batch import Samples, collate, to_device
 from tandem.learner.logprobs import completion_grpo_loss, completion_logprobs
 from tandem.learner.loss import LossInputs, grpo_loss, grpo_metrics, tis_weight, token_weights
-from tandem.learner.model import load_frozen_reference, load_policy, reference_context, trainable_state_dict
+from tandem.learner.model import (
+    copy_to_cpu,
+    load_frozen_reference,
+    load_policy,
+    reference_context,
+    trainable_state_dict,
+)
 from tandem.learner.safe_load import CheckpointRefused, CheckpointWriteError, refuse_pickles
 
 
@@ -301,11 +307,13 @@ class Learner:
     # ---------------------------------------------------------------------- publish, save
 
     def export_adapter(self):
-        """(version, object ref of the adapter state dict in the model dtype). Rank 0 only."""
+        """(version, object ref of the adapter state dict in the model dtype, as a WeightsPayload). Rank 0
+        only."""
         import ray
 
-        sd = self._gathered_state()
-        return self.version, ray.put(sd)
+        from tandem.core.protocol import WeightsPayload
+
+        return self.version, ray.put(WeightsPayload.from_torch(self._gathered_state()))
 
     def _gathered(self, params):
         """ZeRO-3 keeps a partition of each parameter: gather them whole while reading."""
@@ -318,7 +326,7 @@ class Learner:
     def _gathered_state(self) -> dict:
         params = [p for p in self.model.parameters() if p.requires_grad or self.cfg.model.lora is None]
         with self._gathered(params):
-            return {k: v.detach().clone().cpu() for k, v in trainable_state_dict(self.model).items()}
+            return copy_to_cpu(trainable_state_dict(self.model))
 
     def trainable_parameters(self) -> dict:
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]

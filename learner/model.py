@@ -51,6 +51,22 @@ def decoder_and_head(model):
     return base.model, base.lm_head
 
 
+def copy_to_cpu(tensors: dict) -> dict[str, torch.Tensor]:
+    """Host copies of a state dict, one device-to-host transfer per dtype rather than one synchronising
+    copy per tensor (336 of them for a LoRA on every linear layer of a 0.5B model)."""
+    out, by_dtype = {}, {}
+    for k, v in tensors.items():
+        if v.device.type == "cpu":
+            out[k] = v.detach().clone()
+        else:
+            by_dtype.setdefault(v.dtype, []).append(k)
+    for keys in by_dtype.values():
+        flat = torch.cat([tensors[k].detach().reshape(-1) for k in keys]).cpu()
+        for k, part in zip(keys, flat.split([tensors[k].numel() for k in keys])):
+            out[k] = part.view(tensors[k].shape)
+    return {k: out[k] for k in tensors}
+
+
 def trainable_state_dict(model) -> dict[str, torch.Tensor]:
     """What the rollout engines load: peft adapter tensors, or all weights under HF names."""
     if hasattr(model, "peft_config"):

@@ -22,7 +22,7 @@ from collections import Counter
 import numpy as np
 
 from tandem.core.compat import rollout_env_vars
-from tandem.core.protocol import PromptItem, RolloutFailure, RolloutGroup, group_meta, pack_completions
+from tandem.core.protocol import PromptItem, RolloutFailure, RolloutGroup, as_torch, group_meta, pack_completions
 from tandem.core.shaping import is_informative, overlong_penalty
 from tandem.rollout.engines.base import Sampling
 from tandem.rollout.prompts import completion_views
@@ -242,12 +242,13 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------------------ calls
 
-    def set_adapter(self, version: int, tensors: dict) -> int:
-        """Serve a published policy: loaded between two engine steps, requests already running finish
-        on the version they started with. Returns once requests submitted from now on use it."""
+    def set_adapter(self, version: int, tensors) -> int:
+        """Serve a published policy (a WeightsPayload, or a state dict): loaded between two engine steps,
+        requests already running finish on the version they started with. Returns once requests
+        submitted from now on use it."""
         self._await_ready()
         done, box = threading.Event(), {}
-        self._inbox.put(("adapter", version, tensors, done, box))
+        self._inbox.put(("adapter", version, as_torch(tensors), done, box))
         done.wait()
         if "error" in box:
             raise box["error"]

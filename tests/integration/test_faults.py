@@ -29,6 +29,23 @@ def lines(metrics: Path) -> list[dict]:
     return [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
 
 
+def replaced_at(metrics: Path) -> int | None:
+    """The first step whose metrics count a replaced rollout worker."""
+    return next((x["step"] for x in lines(metrics) if x.get("count/worker_failures", 0) >= 1), None)
+
+
+def newest_checkpoint_step(run: Path) -> int:
+    """The step of the newest checkpoint that finished writing (0: none yet)."""
+    best = 0
+    for t in run.glob("checkpoints/cycle-*/tandem.json"):
+        try:
+            if not t.parent.name.endswith(".tmp"):
+                best = max(best, json.loads(t.read_text())["steps"])
+        except (OSError, ValueError):  # pruned or renamed while read
+            pass
+    return best
+
+
 def wait_for(cond, what: str, timeout: float = 240.0):
     end = time.time() + timeout
     while time.time() < end:
@@ -150,7 +167,9 @@ def test_every_death_on_a_ray_start_cluster_is_survived_and_sigterm_saves_within
     try:
         wait_for(lambda: len(lines(metrics)) >= 2, "step 2")
         kill("RolloutWorker")
-        wait_for(lambda: len(lines(metrics)) >= 4, "step 4 after the worker's death")
+        # the replacement is on record in a checkpoint, so the learner's death below cannot roll it back
+        wait_for(lambda: len(lines(metrics)) >= 4 and (s := replaced_at(metrics)) is not None
+                 and newest_checkpoint_step(tmp_path / "run") >= s, "a checkpoint after the worker's replacement")
         kill("Learner")
         wait_for(lambda: said("restart 1 of 2") and len(lines(metrics)) >= 6, "step 6 after the learner's death")
         kill("Controller")

@@ -122,6 +122,32 @@ def test_new_adapter_version_changes_outputs(ray_session, worker, hf, tiny_model
     assert ids[1] != ids[2]
 
 
+def test_adapters_load_from_memory_and_reload_after_an_eviction(ray_session, worker, hf, tiny_model):
+    """The published tensors reach vLLM without weight files; an adapter vLLM's LRU cache evicted (more
+    versions than max_loras) is reloaded from the tensors kept in memory, and samples as transformers."""
+    its = items(tiny_model, n=2, start=7)
+    greedy = Sampling(n=1, top_k=1, max_tokens=12)
+    ads = {v: random_adapter(hf, seed=v) for v in (101, 102, 103)}
+    prompts = [it.prompt_ids for it in its]
+
+    def in_actor(self):
+        for v, ad in ads.items():
+            self.engine.load_adapter(v, ad)
+        loaded = self.engine.llm.llm_engine.list_loras()
+        outs = {v: [o[0].tokens.tolist() for o in self.engine.generate(prompts, greedy, adapter=v)] for v in ads}
+        files = sorted(p.name for p in self.engine._adapter_root.rglob("*"))
+        ids = {v: self.engine.lora_id(v) for v in ads}
+        self.engine.drop_adapters(list(ads))
+        return loaded, outs, files, ids
+
+    loaded, outs, files, ids = ray_session.get(worker.__ray_call__.remote(in_actor))
+    assert ids[101] not in loaded and len(loaded) == 2  # evicted: the generate below reloads it
+    assert files == ["adapter_config.json"]  # no weights written
+    for v, ad in ads.items():
+        hf.load_adapter(v, ad)
+        assert outs[v] == [w[0].tokens.tolist() for w in hf.generate([it.prompt_ids for it in its], greedy)], v
+
+
 def test_reward_error_is_reported_not_zeroed(ray_session, tiny_model, tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f(completions, **kw):\n    raise ValueError('nope')\n")
