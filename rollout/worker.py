@@ -38,7 +38,7 @@ def build_engine(cfg, seed: int):
                           max_model_len=cfg.generation.max_prompt_length + cfg.generation.max_completion_length,
                           max_loras=cfg.cluster.max_staleness + 2, enforce_eager=cfg.cluster.vllm_enforce_eager,
                           gpu_memory_utilization=cfg.cluster.vllm_gpu_memory_utilization,
-                          max_num_seqs=cfg.cluster.vllm_max_num_seqs)
+                          max_num_seqs=cfg.cluster.vllm_max_num_seqs, merge_adapter=cfg.cluster.vllm_merge_adapter)
     from tandem.rollout.engines.hf_engine import HFEngine
 
     return HFEngine(m.path, dtype=m.dtype, lora=m.lora, seed=seed)
@@ -140,18 +140,22 @@ class RolloutWorker:
 
     def _loop(self) -> None:
         running: dict[int, _Request] = {}
+        held: list = []  # an engine serving one version: a new one and what came after wait for `running` to end
         next_key = 0
         while not self._stop.is_set():
-            cmds = [] if running else self._arrivals()
+            cmds, held = held + ([] if (running or held) else self._arrivals()), []
             while True:
                 try:
                     cmds.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
             batch = []
-            for cmd in cmds:
+            for i, cmd in enumerate(cmds):
                 if cmd is None:
                     continue
+                if cmd[0] == "adapter" and running and self.engine.serves_one_version:
+                    held = cmds[i:]
+                    break
                 if cmd[0] == "adapter":
                     self._load(*cmd[1:])  # never raises: the caller of set_adapter hears of a failure
                 elif self._streams:

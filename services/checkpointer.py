@@ -15,6 +15,7 @@ from pathlib import Path
 RESUMABLE_CHANGES = {("batch", "max_steps"), ("batch", "num_train_epochs"), ("checkpoint", None), ("logging", None),
                      ("cluster", "num_rollout_workers"), ("cluster", "address"), ("cluster", "rollout_resources"),
                      ("cluster", "rollout_prompts_in_flight"), ("cluster", "vllm_enforce_eager"),
+                     ("cluster", "vllm_merge_adapter"),
                      ("cluster", "vllm_gpu_memory_utilization"), ("cluster", "vllm_max_num_seqs"), ("cluster", "max_restarts"),
                      ("eval", None)}
 

@@ -35,7 +35,11 @@ class Completion:
 
 
 class Engine:
-    """generate() returns, per prompt, `sampling.n` completions; adapters are selected by version."""
+    """generate() returns, per prompt, `sampling.n` completions; adapters are selected by version.
+    serves_one_version: a new version replaces the weights every running request samples with, so it is
+    loaded only once none runs (vLLM with the adapter merged)."""
+
+    serves_one_version = False
 
     def generate(self, prompts: list[np.ndarray], sampling: Sampling, adapter: int | None = None
                  ) -> list[list[Completion]]:

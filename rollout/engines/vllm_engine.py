@@ -79,12 +79,48 @@ class TandemWorkerExtension:
             return model.compute_logits(hidden.to(next(model.parameters()).dtype)).float().cpu()
 
 
+class AdapterMerge:
+    """W + (lora_alpha / r) B A for every module a PEFT adapter wraps (what peft's merge_adapter computes, and
+    what TRL loads into vLLM), from the base weights in the model's safetensors, read once."""
+
+    def __init__(self, model_path: str, lora):
+        self.model_path, self.scale, self.base = Path(model_path), lora.lora_alpha / lora.r, None
+
+    def merged(self, tensors: dict) -> dict:
+        """PEFT state dict -> {HF weight name: merged weight} of the wrapped modules."""
+        import torch
+
+        mods = sorted({k[:k.index(".lora_A.")] for k in tensors if ".lora_A." in k})
+        names = {m: m.removeprefix("base_model.model.") + ".weight" for m in mods}
+        if self.base is None:
+            self.base = self._read(set(names.values()))
+        out = {}
+        for m, w in names.items():
+            a, b = tensors[f"{m}.lora_A.weight"].float(), tensors[f"{m}.lora_B.weight"].float()
+            base = self.base[w]
+            out[w] = torch.addmm(base.float(), b, a, alpha=self.scale).to(base.dtype)
+        return out
+
+    def _read(self, names: set) -> dict:
+        from safetensors import safe_open
+
+        found = {}
+        for f in sorted(self.model_path.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                found.update({k: st.get_tensor(k) for k in names & set(st.keys())})
+        if missing := sorted(names - set(found)):
+            raise KeyError(f"AdapterMerge: {self.model_path}/*.safetensors lacks the base weights {missing[:3]} the "
+                           f"adapter wraps ({len(missing)} missing); set cluster.vllm_merge_adapter: false")
+        return found
+
+
 class VLLMEngine(Engine):
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len: int = 1024, lora=None,
                  max_loras: int = 2, seed: int = 0, kv_cache_bytes: int = 256 << 20, adapter_dir: str | None = None,
                  enforce_eager: bool | None = None, gpu_memory_utilization: float = 0.3,
-                 max_num_seqs: int | None = None):
-        """enforce_eager None: eager on CPU, CUDA graphs on GPU (what TRL's colocate mode runs)."""
+                 max_num_seqs: int | None = None, merge_adapter: bool | None = None):
+        """enforce_eager None: eager on CPU, CUDA graphs on GPU (what TRL's colocate mode runs).
+        merge_adapter None: merged on CPU, a LoRA adapter on GPU (`cluster.vllm_merge_adapter`)."""
         import torch
 
         self._set_num_threads = torch.set_num_threads  # vLLM replaces it with a no-op in this process
@@ -93,6 +129,9 @@ class VLLMEngine(Engine):
         from vllm import LLM
 
         self.model_path, self.lora = model_path, lora
+        # merged: the adapter folded into the weights, one version served at a time (the worker drains)
+        self.serves_one_version = lora is not None and (on_cpu if merge_adapter is None else merge_adapter)
+        self._merge = AdapterMerge(model_path, lora) if self.serves_one_version else None
         eager = on_cpu if enforce_eager is None else enforce_eager
         kw = dict(model=model_path, dtype=dtype, enforce_eager=eager, seed=seed, max_model_len=max_model_len,
                   logprobs_mode="processed_logprobs", distributed_executor_backend="uni",
@@ -103,14 +142,14 @@ class VLLMEngine(Engine):
             kw["gpu_memory_utilization"] = gpu_memory_utilization
         if max_num_seqs is not None:
             kw["max_num_seqs"] = max_num_seqs
-        if lora is not None:
+        if lora is not None and not self.serves_one_version:
             kw.update(enable_lora=True, max_lora_rank=max(8, lora.r), max_loras=max_loras)
         self.llm = LLM(**kw)
         # Every version's LoRARequest names this directory: its adapter_config.json is what vLLM reads from
         # disk (the weights come staged from memory: 15 ms of writing and the reading saved per publish).
         self._adapter_root = Path(adapter_dir or tempfile.mkdtemp(prefix="tandem-adapters-",
                                                                   dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-        if lora is not None:
+        if lora is not None and not self.serves_one_version:
             self._adapter_root.mkdir(parents=True, exist_ok=True)
             (self._adapter_root / "adapter_config.json").write_text(json.dumps(peft_config(lora, model_path)))
         self._adapters: dict[int, object] = {}  # version -> LoRARequest
@@ -130,6 +169,10 @@ class VLLMEngine(Engine):
 
     def _lora(self, adapter):
         if adapter is None:
+            return None
+        if self.serves_one_version:
+            if adapter != self.weights_version:
+                raise KeyError(f"VLLMEngine: adapter version {adapter} is not the merged one ({self.weights_version})")
             return None
         if adapter not in self._adapters:
             raise KeyError(f"VLLMEngine: adapter version {adapter} not loaded (have {sorted(self._adapters)})")
@@ -168,6 +211,8 @@ class VLLMEngine(Engine):
 
         if self.lora is None:
             raise RuntimeError("VLLMEngine.load_adapter: engine built without LoRA (model.lora is null)")
+        if self.serves_one_version:
+            return self.load_weights(version, self._merge.merged(tensors))
         # A fresh id per version: vLLM silently keeps old weights when an id is reused.
         req = LoRARequest(f"tandem-v{version}", self._next_lora_id, str(self._adapter_root))
         self._next_lora_id += 1
@@ -182,7 +227,7 @@ class VLLMEngine(Engine):
 
     def drop_adapters(self, versions) -> None:
         """Versions no request uses any more leave the engine."""
-        for old in versions:
+        for old in [] if self.serves_one_version else versions:
             gone = self._adapters.pop(old, None)
             if gone is not None:
                 self.llm.llm_engine.remove_lora(gone.lora_int_id)
@@ -190,6 +235,8 @@ class VLLMEngine(Engine):
 
     @property
     def adapter_versions(self) -> list[int]:
+        if self.serves_one_version:
+            return [self.weights_version] if self.weights_version else []
         return sorted(self._adapters)
 
     def lora_id(self, version: int) -> int:

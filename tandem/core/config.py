@@ -213,6 +213,10 @@ class ClusterConfig(_Section):
         None, description="vLLM without CUDA graphs; null = eager on CPU, CUDA graphs on GPU")
     vllm_gpu_memory_utilization: float = Field(
         0.3, gt=0, le=1, description="share of the GPU vLLM takes (weights + KV cache); 0.3 leaves room for a learner")
+    vllm_merge_adapter: bool | None = Field(
+        None, description="vLLM samples with the adapter merged into the weights (TRL's way: one version served "
+        "at a time, so publishing waits for running requests) instead of as a LoRA adapter; null = merged on CPU "
+        "(vLLM's CPU LoRA kernels triple a small model's step), a LoRA adapter on GPU")
     vllm_max_num_seqs: int | None = Field(
         None, ge=1, description="sequences vLLM batches at once; null = vLLM's default (256 on GPU, 128 on CPU)")
     address: str | None = Field(None, description="Ray address `tandem run` joins when --address is not given; "

@@ -17,7 +17,9 @@ REWARD = f"{ROOT}/examples/rewards.py:length_reward"
 
 @pytest.fixture(scope="module")
 def job(tiny_model, tmp_path_factory):
-    return make_job(tmp_path_factory.mktemp("job"), tiny_model, [REWARD, f"{ROOT}/examples/rewards.py:only_some"])
+    """The engine as on a GPU: the adapter as a vLLM LoRA (the CPU's default merges it: the last test)."""
+    return make_job(tmp_path_factory.mktemp("job"), tiny_model, [REWARD, f"{ROOT}/examples/rewards.py:only_some"],
+                    cluster={"vllm_merge_adapter": False})
 
 
 @pytest.fixture(scope="module")
@@ -182,26 +184,40 @@ def test_full_weight_reload_tied_embeddings(ray_session, tied_model, tmp_path):
     ray_session.kill(w)
 
 
-def test_publishing_does_not_wait_for_a_running_request(ray_session, hf, tiny_model, tmp_path):
-    """A new adapter is served while a long request runs: set_adapter returns before that request's
-    group does, the running request finishes on the version it started with, the next one uses the new."""
+@pytest.mark.parametrize("merged", [False, True], ids=["lora", "merged"])
+def test_publishing_and_a_running_request(ray_session, hf, tiny_model, tmp_path, merged):
+    """A new adapter while a long request runs. As a LoRA adapter it is served at once: set_adapter returns
+    before that request's group does. Merged into the weights (the CPU's default, TRL's way) it waits for
+    the request to end. Either way the running request finishes on the version it started with (all its
+    log-probs the base model's: weights swapped mid-request would give the adapter's for the rest), the
+    next one samples with the new adapter as transformers does."""
     job = make_job(tmp_path, tiny_model, [REWARD], generation={"max_completion_length": 900, "max_prompt_length": 64},
-                   batch={"num_generations": 8, "per_device_train_batch_size": 8})
+                   batch={"num_generations": 8, "per_device_train_batch_size": 8},
+                   cluster={"vllm_merge_adapter": merged})
     w, ready = start_rollout_worker(job, 5)
     ray_session.get(ready)
-    it = items(tiny_model, n=2, start=20)
+    it = items(tiny_model, n=3, start=20)
     long = Sampling(n=8, temperature=1.0, max_tokens=900)
     running = w.generate.remote([it[0]], long)
     ray_session.get(w.health.remote())
     import time
 
     time.sleep(0.3)  # the request is in the engine
-    assert ray_session.get(w.set_adapter.remote(1, random_adapter(hf, seed=3))) == 1
+    ad = random_adapter(hf, seed=3)
+    assert ray_session.get(w.set_adapter.remote(1, ad)) == 1
     published_first = not ray_session.wait([running], timeout=0)[0]
     old = ray_session.get(running)[0]
     new = ray_session.get(w.generate.remote([it[1]], Sampling(n=2, max_tokens=8)))[0]
-    assert published_first, "set_adapter waited for the running request"
+    if not merged:
+        assert published_first, "set_adapter waited for the running request"
     assert old.version == 0 and new.version == 1
     assert max(old.lengths) > 100  # it was still generating when the adapter arrived
+    base = HFEngine(tiny_model)
+    for k in range(2):
+        assert np.abs(base.score(old.prompt_ids, old.completion(k)) - old.completion_logprobs(k)).max() < 1e-4
+    greedy = Sampling(n=1, top_k=1, max_tokens=12)
+    got = ray_session.get(w.generate.remote([it[2]], greedy))[0]
+    hf.load_adapter(1, ad)
+    assert got.completion(0).tolist() == hf.generate([it[2].prompt_ids], greedy)[0][0].tokens.tolist()
     ray_session.get(w.shutdown.remote())
     ray_session.kill(w)
