@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tandem.core.config import JobConfig, JobConfigError, JobShape, with_absolute_paths
 from tandem.core.plan import BatchPlan, arithmetic, table
+from tandem.services.run import one_line
 
 
 def load_shape(path: str, overrides: list[str]) -> JobShape:
@@ -219,22 +220,6 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - a run-time error: one line here, the traceback in a file
         print(f"tandem: {one_line(e)} (traceback: {write_error_log(args, e)})", file=sys.stderr)
         return 1
-
-
-def root_cause(e: BaseException) -> BaseException:
-    """The user's error inside Ray's wrappers (RayTaskError.cause, an actor's death cause)."""
-    seen = set()
-    while getattr(e, "cause", None) is not None and id(e) not in seen:
-        seen.add(id(e))
-        e = e.cause
-    return e
-
-
-def one_line(e: BaseException) -> str:
-    c = root_cause(e)
-    lines = [x for x in str(c).strip().splitlines() if x.strip()]
-    msg = lines[0] if lines else ""
-    return msg if isinstance(c, JobConfigError) else f"{type(c).__name__}: {msg}"
 
 
 def write_error_log(args, e: BaseException) -> str:

@@ -298,11 +298,30 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float) -> int:
     return 0
 
 
+def root_cause(e: BaseException) -> BaseException:
+    """The user's error inside Ray's wrappers (RayTaskError.cause, an actor's death cause)."""
+    seen = set()
+    while getattr(e, "cause", None) is not None and id(e) not in seen:
+        seen.add(id(e))
+        e = e.cause
+    return e
+
+
+def one_line(e: BaseException) -> str:
+    """An error as the one line `tandem: ...` prints: its root cause's type and first line."""
+    from tandem.core.config import JobConfigError
+
+    c = root_cause(e)
+    lines = [x for x in str(c).strip().splitlines() if x.strip()]
+    msg = lines[0] if lines else ""
+    return msg if isinstance(c, JobConfigError) else f"{type(c).__name__}: {msg}"
+
+
 def restart_job(ray, cfg, ctl, error, restarts: int, out, resource_wait_s: float = 0.0):
     """A dead learner rank or controller: the job starts again from its newest complete checkpoint (the
     prompts after it are handed out again, their metrics lines cut), at most cluster.max_restarts times.
     The learner and the rollout workers are the controller's actors: they go with it. -> the new one."""
-    reason = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+    reason = one_line(error)[:300]
     if restarts > cfg.cluster.max_restarts:
         raise RuntimeError(f"the job died {restarts} times (cluster.max_restarts = {cfg.cluster.max_restarts}); "
                            f"last: {reason}") from error
