@@ -38,7 +38,8 @@ def build_engine(cfg, seed: int):
                           max_model_len=cfg.generation.max_prompt_length + cfg.generation.max_completion_length,
                           max_loras=cfg.cluster.max_staleness + 2, enforce_eager=cfg.cluster.vllm_enforce_eager,
                           gpu_memory_utilization=cfg.cluster.vllm_gpu_memory_utilization,
-                          max_num_seqs=cfg.cluster.vllm_max_num_seqs, merge_adapter=cfg.cluster.vllm_merge_adapter)
+                          max_num_seqs=cfg.cluster.vllm_max_num_seqs, merge_adapter=cfg.cluster.vllm_merge_adapter,
+                          kv_cache_bytes=cpu_kv_cache_bytes(cfg))
     from tandem.rollout.engines.hf_engine import HFEngine
 
     return HFEngine(m.path, dtype=m.dtype, lora=m.lora, seed=seed)
@@ -356,6 +357,26 @@ def prompts_in_flight(cfg) -> int:
         return c.rollout_prompts_in_flight
     seqs = c.vllm_max_num_seqs or (256 if c.rollout_resources.num_gpus > 0 else 128)
     return max(1, seqs // cfg.batch.num_generations)
+
+
+def cpu_kv_cache_bytes(cfg) -> int:
+    """vLLM's KV cache on CPU (which it allocates and touches whole at start): every sequence the controller
+    keeps in the engine at full length, twice over, at least 32 MiB; 256 MiB when the model's config does not
+    say its shape. The tiny CPU model's jobs needed 15 MiB of the 256 MiB they were given."""
+    import json
+    from pathlib import Path
+
+    try:
+        mc = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        mc = mc.get("text_config", mc)
+        heads = mc["num_attention_heads"]
+        per_token = (2 * mc["num_hidden_layers"] * mc.get("num_key_value_heads", heads)
+                     * (mc.get("head_dim") or mc["hidden_size"] // heads) * (4 if cfg.model.dtype == "float32" else 2))
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return 256 << 20
+    g = cfg.generation
+    seqs = min(prompts_in_flight(cfg) * cfg.batch.num_generations, cfg.cluster.vllm_max_num_seqs or 128)
+    return max(32 << 20, 2 * per_token * seqs * (g.max_prompt_length + g.max_completion_length))
 
 
 def start_rollout_worker(cfg, slot: int):
