@@ -216,7 +216,7 @@ class ClusterConfig(_Section):
     vllm_merge_adapter: bool | None = Field(
         None, description="vLLM samples with the adapter merged into the weights (TRL's way: one version served "
         "at a time, so publishing waits for running requests) instead of as a LoRA adapter; null = merged on CPU "
-        "(vLLM's CPU LoRA kernels triple a small model's step), a LoRA adapter on GPU")
+        "(vLLM's CPU LoRA kernels double a small model's step), a LoRA adapter on GPU")
     vllm_max_num_seqs: int | None = Field(
         None, ge=1, description="sequences vLLM batches at once; null = vLLM's default (256 on GPU, 128 on CPU)")
     address: str | None = Field(None, description="Ray address `tandem run` joins when --address is not given; "
