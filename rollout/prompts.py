@@ -37,18 +37,6 @@ def tokenize_prompt(tokenizer, prompt: Any, *, max_prompt_length: int, truncate:
     return np.asarray(ids, dtype=np.int32)
 
 
-def tokenize_tables(model_path: str, tables: list[list[dict]], prompt_column: str, *, max_prompt_length: int,
-                    truncate: bool) -> list[list[np.ndarray]]:
-    """Every row's prompt as token ids, with the model's tokenizer, for each table (data, eval). The
-    controller runs this as a one-off Ray task: transformers' tokenizer imports torch (~300 MB, 5 s), which
-    the controller never needs."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_path)
-    return [[tokenize_prompt(tok, r[prompt_column], max_prompt_length=max_prompt_length, truncate=truncate, row=i)
-             for i, r in enumerate(rows)] for rows in tables]
-
-
 def completion_views(tokenizer, prompt: Any, tokens: list[np.ndarray], eos_id: int | None):
     """Completions as reward functions see them: text, or assistant messages for chat prompts."""
     texts = [tokenizer.decode([int(t) for t in c if int(t) != eos_id], skip_special_tokens=True) for c in tokens]

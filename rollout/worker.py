@@ -325,11 +325,6 @@ class RolloutWorker:
                      "generate_s": t1 - req.submitted, "score_s": score_s},
         )
 
-    def decode(self, token_lists: list) -> list[str]:
-        """Completions as text (special tokens skipped), for the evaluator's record."""
-        self._await_ready()
-        return [self.tok.decode([int(t) for t in ids], skip_special_tokens=True) for ids in token_lists]
-
     def health(self) -> dict:
         return {"worker": self.worker_id, "version": self.version, "pid": os.getpid()}
 

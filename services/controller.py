@@ -85,11 +85,11 @@ class Controller:
     @one_at_a_time
     def setup(self, resource_wait_s: float = 0.0) -> dict:
         """resource_wait_s: how long a request no node can hold may wait for an autoscaler to add one."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        from transformers import AutoTokenizer
 
         from tandem.core.checks import check_inputs, write_shared_probe
         from tandem.learner.group import LearnerGroup
-        from tandem.rollout.prompts import tokenize_tables
+        from tandem.rollout.prompts import tokenize_prompt
         from tandem.rollout.worker import prompts_in_flight, start_rollout_worker
 
         cfg = self.cfg
@@ -115,22 +115,19 @@ class Controller:
         self.total_steps = self.total_cycles * self.plan.optimizer_steps_per_cycle
         self.pool = RolloutPool(lambda slot: start_rollout_worker(cfg, slot), prompts_in_flight(cfg), self.counters)
         self._wait_for_nodes(resource_wait_s)
-        ray = self.pool.ray
-        # tokenised once, in a process of its own on this node that exits after (the controller stays
-        # torch-free), while the learner and the rollout workers start; workers receive token ids
-        tables = [rows] + ([eval_rows] if eval_rows is not None else [])
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        ids = ray.remote(num_cpus=0, max_calls=1)(tokenize_tables).options(scheduling_strategy=here).remote(
-            cfg.model.path, tables, pc, max_prompt_length=cfg.generation.max_prompt_length,
-            truncate=cfg.data.truncate_long_prompts)
         probe = write_shared_probe(cfg.logging.output_dir)
-        try:  # the learner's setup runs while the rollout workers start
+        try:  # the learner's setup runs while the rollout workers start, and the prompts are tokenised meanwhile
             self.learner = LearnerGroup(cfg, total_steps=self.total_steps, probe=probe, wait=False)
             self.pool.start(cfg.cluster.num_rollout_workers)
-            tables = [PromptTable(r, t, pc) for r, t in zip(tables, ray.get(ids))]
-            self.table = tables[0]
+            tok = AutoTokenizer.from_pretrained(cfg.model.path)
+
+            def table(rows: list[dict]) -> PromptTable:  # tokenised once, here; workers receive token ids
+                return PromptTable(rows, [tokenize_prompt(tok, r[pc], max_prompt_length=cfg.generation.max_prompt_length,
+                                                          truncate=cfg.data.truncate_long_prompts, row=i)
+                                          for i, r in enumerate(rows)], pc)
+            self.table = table(rows)
             if eval_rows is not None:
-                self.evaluator = Evaluator(cfg, tables[1])
+                self.evaluator = Evaluator(cfg, table(eval_rows), tok)
             self.learner.ready()
         finally:
             Path(probe).unlink(missing_ok=True)

@@ -42,10 +42,10 @@ def eval_stats(rewards: np.ndarray, lengths: np.ndarray, eos: np.ndarray, weight
 
 
 class Evaluator:
-    def __init__(self, cfg, table):
+    def __init__(self, cfg, table, tokenizer):
         """table: the eval prompts (services.prompt_source.PromptTable)."""
         e = cfg.eval
-        self.cfg, self.table = cfg, table
+        self.cfg, self.table, self.tok = cfg, table, tokenizer
         self.every = e.eval_steps
         train = Sampling.from_config(cfg, seed=cfg.seed)  # the job's sampling, seeded: evaluations compare
         self.sampling = replace(train, n=e.num_generations,
@@ -80,18 +80,14 @@ class Evaluator:
         out = eval_stats(rewards, lengths, eos, self.cfg.grpo.reward_weights)
         out.update({"eval/prompts": len(scored), "eval/prompts_failed": len(items) - len(scored),
                     "eval/version": version, "eval_s": time.time() - t0})
-        texts = ray.get(workers[0].decode.remote([g.completion(c) for _, g in scored
-                                                   for c in range(g.num_generations)])) if scored else []
-        self._write(step, scored, version, texts)
+        self._write(step, scored, version)
         if failed or errors:
             print(f"tandem: eval at step {step}: {len(items) - len(scored)} of {len(items)} prompts not scored "
                   f"({'; '.join((failed + errors)[:3])})", flush=True)
         return out
 
-    def _write(self, step: int, scored, version: int, texts: list[str]) -> None:
-        """The completions of one evaluation, one line each: what a user reads to see what the model says.
-        texts: the completions decoded (by a rollout worker: the controller holds no tokenizer)."""
-        texts = iter(texts)
+    def _write(self, step: int, scored, version: int) -> None:
+        """The completions of one evaluation, one line each: what a user reads to see what the model says."""
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.dir / f"step-{step:06d}.jsonl.tmp"
         with open(tmp, "w") as f:
@@ -100,7 +96,7 @@ class Evaluator:
                     r = g.rewards[c]
                     f.write(json.dumps({
                         "step": step, "index": it.index, "version": version, "prompt": it.prompt,
-                        "completion": next(texts),
+                        "completion": self.tok.decode(g.completion(c), skip_special_tokens=True),
                         "rewards": [None if np.isnan(x) else float(x) for x in r],
                         "length": int(g.lengths[c]), "eos": bool(g.eos[c]),
                     }) + "\n")

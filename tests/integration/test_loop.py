@@ -161,9 +161,6 @@ def test_tandem_scale_and_status_reach_the_running_job(ray_session, tmp_path, ti
     assert main(["scale", str(job), "2"]) == 0
     assert "2 from the next generate call" in capsys.readouterr().out
     ray_session.get([first, ctl.step.remote()])
-    # the controller process never imports transformers or vLLM (the prompts were tokenised by a one-off task)
-    assert ray_session.get(ctl.__ray_call__.remote(lambda self: [m for m in ("transformers", "vllm", "deepspeed")
-                                                                  if m in __import__("sys").modules])) == []
     assert main(["status", str(job)]) == 0
     out = capsys.readouterr().out
     assert "cycle 2/2, policy version 2, rollout workers 2 (target 2)" in out and "workers_added 1" in out

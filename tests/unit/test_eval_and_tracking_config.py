@@ -44,21 +44,21 @@ def job(job_files, **sections):
 
 def test_eval_runs_every_eval_steps_and_at_the_end(job_files):
     cfg = job(job_files, eval={"path": job_files["data"]["path"], "eval_steps": 4})
-    ev = Evaluator(cfg, table=None)
+    ev = Evaluator(cfg, table=None, tokenizer=None)
     # cycles of 1 step: 4 and 8; cycles of 3 steps (1-3, 4-6, 7-9): the ones crossing a multiple of 4
     assert [s for s in range(1, 10) if ev.due(s, s, final=False)] == [4, 8]
     assert [(a, a + 2) for a in (1, 4, 7) if ev.due(a, a + 2, final=False)] == [(4, 6), (7, 9)]
     assert ev.due(3, 3, final=True)
-    at_end = Evaluator(job(job_files, eval={"path": job_files["data"]["path"]}), None)
+    at_end = Evaluator(job(job_files, eval={"path": job_files["data"]["path"]}), None, None)
     assert not any(at_end.due(s, s, False) for s in range(1, 50)) and at_end.due(50, 50, True)
 
 
 def test_eval_sampling_defaults_to_the_training_temperature_and_0_is_greedy(job_files):
     cfg = job(job_files, generation={"temperature": 0.7}, eval={"path": job_files["data"]["path"]})
-    ev = Evaluator(cfg, None)
+    ev = Evaluator(cfg, None, None)
     assert (ev.sampling.n, ev.sampling.temperature) == (1, 0.7)
     cfg = job(job_files, eval={"path": job_files["data"]["path"], "temperature": 0})
-    assert (Evaluator(cfg, None).sampling.temperature, Evaluator(cfg, None).sampling.n) == (0, 1)
+    assert (Evaluator(cfg, None, None).sampling.temperature, Evaluator(cfg, None, None).sampling.n) == (0, 1)
     with pytest.raises(JobConfigError, match=r"eval.num_generations = 3 with eval.temperature = 0 \(greedy\)"):
         job(job_files, eval={"path": job_files["data"]["path"], "temperature": 0, "num_generations": 3})
 
