@@ -97,16 +97,22 @@ class Controller:
         if cfg.logging.overwrite_output_dir and not cfg.checkpoint.resume:
             self._clear_run_dir()
         self.out.mkdir(parents=True, exist_ok=True)
+        tok = AutoTokenizer.from_pretrained(cfg.model.path)
         pc = cfg.data.prompt_column
-        rows = load_rows(cfg.data.path)
-        check_rows(rows, pc, cfg.data.path)
-        eval_rows = None
-        if cfg.eval.path is not None:
-            eval_rows = load_rows(cfg.eval.path)
-            check_rows(eval_rows, pc, cfg.eval.path)
+
+        def table(path: str) -> PromptTable:  # tokenised once, here; workers receive token ids
+            rows = load_rows(path)
+            check_rows(rows, pc, path)
+            return PromptTable(rows, [tokenize_prompt(tok, r[pc], max_prompt_length=cfg.generation.max_prompt_length,
+                                                      truncate=cfg.data.truncate_long_prompts, row=i)
+                                      for i, r in enumerate(rows)], pc)
+        self.table = table(cfg.data.path)
+        rows = self.table.rows
         self.source = PromptSource(len(rows), cfg.seed, cfg.data.shuffle)
         self.trained, self.filtered_record = EpochRecord(len(rows), "trained on"), EpochRecord(len(rows), "filtered")
         self.fingerprint = fingerprint(cfg, len(rows))
+        if cfg.eval.path is not None:
+            self.evaluator = Evaluator(cfg, table(cfg.eval.path), tok)
         U = self.plan.unique_prompts
         if cfg.batch.max_steps > 0:
             self.total_cycles = -(-cfg.batch.max_steps // self.plan.optimizer_steps_per_cycle)
@@ -116,18 +122,9 @@ class Controller:
         self.pool = RolloutPool(lambda slot: start_rollout_worker(cfg, slot), prompts_in_flight(cfg), self.counters)
         self._wait_for_nodes(resource_wait_s)
         probe = write_shared_probe(cfg.logging.output_dir)
-        try:  # the learner's setup runs while the rollout workers start, and the prompts are tokenised meanwhile
+        try:  # the learner's setup runs while the rollout workers start
             self.learner = LearnerGroup(cfg, total_steps=self.total_steps, probe=probe, wait=False)
             self.pool.start(cfg.cluster.num_rollout_workers)
-            tok = AutoTokenizer.from_pretrained(cfg.model.path)
-
-            def table(rows: list[dict]) -> PromptTable:  # tokenised once, here; workers receive token ids
-                return PromptTable(rows, [tokenize_prompt(tok, r[pc], max_prompt_length=cfg.generation.max_prompt_length,
-                                                          truncate=cfg.data.truncate_long_prompts, row=i)
-                                          for i, r in enumerate(rows)], pc)
-            self.table = table(rows)
-            if eval_rows is not None:
-                self.evaluator = Evaluator(cfg, table(eval_rows), tok)
             self.learner.ready()
         finally:
             Path(probe).unlink(missing_ok=True)
