@@ -363,16 +363,14 @@ def cpu_kv_cache_bytes(cfg) -> int:
     """vLLM's KV cache on CPU (which it allocates and touches whole at start): every sequence the controller
     keeps in the engine at full length, twice over, at least 32 MiB; 256 MiB when the model's config does not
     say its shape. The tiny CPU model's jobs needed 15 MiB of the 256 MiB they were given."""
-    import json
-    from pathlib import Path
+    from tandem.core.checks import language_model_config
 
+    mc = language_model_config(cfg.model.path) or {}
     try:
-        mc = json.loads((Path(cfg.model.path) / "config.json").read_text())
-        mc = mc.get("text_config", mc)
         heads = mc["num_attention_heads"]
         per_token = (2 * mc["num_hidden_layers"] * mc.get("num_key_value_heads", heads)
                      * (mc.get("head_dim") or mc["hidden_size"] // heads) * (4 if cfg.model.dtype == "float32" else 2))
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+    except (KeyError, TypeError, ZeroDivisionError):
         return 256 << 20
     g = cfg.generation
     seqs = min(prompts_in_flight(cfg) * cfg.batch.num_generations, cfg.cluster.vllm_max_num_seqs or 128)

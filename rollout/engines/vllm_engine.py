@@ -227,7 +227,7 @@ class VLLMEngine(Engine):
 
     def drop_adapters(self, versions) -> None:
         """Versions no request uses any more leave the engine."""
-        for old in [] if self.serves_one_version else versions:
+        for old in versions:  # a merged engine holds no LoRARequest: nothing here
             gone = self._adapters.pop(old, None)
             if gone is not None:
                 self.llm.llm_engine.remove_lora(gone.lora_int_id)
@@ -235,9 +235,7 @@ class VLLMEngine(Engine):
 
     @property
     def adapter_versions(self) -> list[int]:
-        if self.serves_one_version:
-            return [self.weights_version] if self.weights_version else []
-        return sorted(self._adapters)
+        return sorted(self._adapters)  # merged: none (the weights are the one version)
 
     def lora_id(self, version: int) -> int:
         return self._adapters[version].lora_int_id

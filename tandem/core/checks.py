@@ -21,16 +21,24 @@ def model_error(cfg: JobConfig) -> str | None:
     return None
 
 
-def length_error(cfg: JobConfig) -> str | None:
-    """A prompt and its completion must fit the model's positions (else vLLM refuses every request late,
-    naming its own max_model_len)."""
+def language_model_config(model_path: str) -> dict | None:
+    """The model's config.json as a dict, the language model's part of a multimodal one; None when it cannot
+    be read (model_error names a missing config; an unreadable one fails where transformers reads it)."""
     import json
 
     try:
-        mc = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        mc = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
-        return None  # model_error names a missing config; an unreadable one fails where transformers reads it
-    mc = mc.get("text_config", mc)  # multimodal configs keep the language model's inside
+        return None
+    return mc.get("text_config", mc) if isinstance(mc, dict) else None
+
+
+def length_error(cfg: JobConfig) -> str | None:
+    """A prompt and its completion must fit the model's positions (else vLLM refuses every request late,
+    naming its own max_model_len)."""
+    mc = language_model_config(cfg.model.path)
+    if mc is None:
+        return None
     limit = mc.get("max_position_embeddings")
     g = cfg.generation
     if isinstance(limit, int) and g.max_prompt_length + g.max_completion_length > limit:
