@@ -153,8 +153,11 @@ class Learner:
         return self.engine.module
 
     def needs_old(self) -> bool:
-        p = self.plan
-        return self.tis or p.num_iterations > 1 or p.steps_per_generation > p.gradient_accumulation_steps
+        """Old log-probs need a forward of their own only where the weights move within a cycle (several
+        optimizer steps per generation batch). With one, every training pass runs on the cycle's starting
+        weights, so its own log-probs are the old ones, and TIS takes its weight from them: one decoder
+        forward per micro-step fewer (TRL runs that forward whenever TIS is on)."""
+        return self.plan.optimizer_steps_per_cycle > 1
 
     def _logp(self, mb, with_entropy=False, reference=False):
         T = self.cfg.generation.temperature
@@ -192,11 +195,12 @@ class Learner:
         g = self.cfg.grpo
         w = token_weights(mb["mask"], g.loss_type, max_completion_length=self.cfg.generation.max_completion_length,
                           num_active_tokens=n_active)
-        tis = tis_weight(old, mb["sampler_logp"], mb["mask"], g.vllm_importance_sampling_cap,
-                         g.vllm_importance_sampling_mode, g.vllm_importance_sampling_clip_min) if self.tis else None
+        tis_of = (lambda lp: tis_weight(lp, mb["sampler_logp"], mb["mask"], g.vllm_importance_sampling_cap,
+                                        g.vllm_importance_sampling_mode, g.vllm_importance_sampling_clip_min))
+        tis = tis_of(old) if self.tis and old is not None else None
         return completion_grpo_loss(self.model, mb, self.cfg.generation.temperature, w, old_logp=old, ref_logp=ref,
-                                    tis=tis, epsilon=g.epsilon, epsilon_high=g.epsilon_high, delta=g.delta,
-                                    beta=g.beta)
+                                    tis=tis, tis_from=tis_of if self.tis and old is None else None,
+                                    epsilon=g.epsilon, epsilon_high=g.epsilon_high, delta=g.delta, beta=g.beta)
 
     # ------------------------------------------------------------------------------- train
 

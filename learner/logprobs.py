@@ -69,9 +69,13 @@ def completion_logprobs(model, batch, temperature: float, *, chunk: int = 1024, 
 
 
 def completion_grpo_loss(model, batch, temperature: float, token_weight, *, old_logp=None, ref_logp=None, tis=None,
-                         epsilon=_G.epsilon, epsilon_high=_G.epsilon_high, delta=_G.delta, beta=_G.beta, chunk=None):
+                         tis_from=None, epsilon=_G.epsilon, epsilon_high=_G.epsilon_high, delta=_G.delta, beta=_G.beta,
+                         chunk=None):
     """The micro-batch's GRPO loss, sum_t token_weight * loss_t (token_weight [B, T] from
     loss.token_weights), token-level ratios. [B, T] inputs; old_logp None = on-policy.
+    `tis_from(logp [B, T]) -> tis [B, T]`: on-policy with truncated importance sampling, the weight taken
+    from this pass's own log-probs (an lm_head pass over the decoder's hidden states) rather than from a
+    separate forward of the whole model.
     -> (loss, logp [B, T] detached, entropy [B, T]; both 0 where masked)."""
     hidden, head = _hidden(model, batch)
     B, T, H = hidden.shape
@@ -82,10 +86,16 @@ def completion_grpo_loss(model, batch, temperature: float, token_weight, *, old_
     h = hidden.reshape(-1, H).index_select(0, idx)
     ids = batch["completion_ids"].reshape(-1)[idx]
     pick = lambda x: None if x is None else x.reshape(-1)[idx].float()
-    adv = batch["advantages"].float().unsqueeze(-1).expand(B, T).reshape(-1)[idx]
-    kw = dict(epsilon=epsilon, epsilon_high=epsilon_high, delta=delta, beta=beta, ref_logp=pick(ref_logp),
-              tis=pick(tis))
+    full = lambda x: torch.zeros(B * T, dtype=torch.float32, device=x.device).index_copy(0, idx, x).view(B, T)
     with _full_weight(head) as w:
+        if tis_from is not None:
+            with torch.no_grad():
+                lp0 = (linear_logprobs(h, w, ids, temperature, chunk or 1024)[0] if w is not None else
+                       _module_logprobs(head, h, ids, temperature, chunk or 1024, False)[0])
+            tis = tis_from(full(lp0))
+        adv = batch["advantages"].float().unsqueeze(-1).expand(B, T).reshape(-1)[idx]
+        kw = dict(epsilon=epsilon, epsilon_high=epsilon_high, delta=delta, beta=beta, ref_logp=pick(ref_logp),
+                  tis=pick(tis))
         if w is not None:
             loss, logp, ent = linear_grpo_loss(h, w, ids, pick(old_logp), adv, pick(token_weight),
                                                temperature=temperature, chunk=chunk, with_entropy=True, **kw)
@@ -93,5 +103,4 @@ def completion_grpo_loss(model, batch, temperature: float, token_weight, *, old_
             logp, ent = _module_logprobs(head, h, ids, temperature, chunk or 1024, True)
             loss = grpo_token_terms(pick(old_logp), adv, pick(token_weight), **kw)(logp, 0, logp.shape[0]).sum()
             logp = logp.detach()
-    full = lambda x: torch.zeros(B * T, dtype=torch.float32, device=x.device).index_copy(0, idx, x).view(B, T)
     return loss, full(logp), full(ent)

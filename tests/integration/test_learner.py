@@ -68,18 +68,20 @@ def test_accumulation_matches_whole_batch(tmp_path, tiny_model, loss_type, zero)
         close(l1.trainable_parameters(), l4.trainable_parameters())
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
-def test_all_loss_terms_match_whole_batch(tmp_path, tiny_model, level):
+@pytest.mark.parametrize("level,mu", [("token", 2), ("sequence", 2), ("token", 1), ("sequence", 1)])
+def test_all_loss_terms_match_whole_batch(tmp_path, tiny_model, level, mu):
     """KL to the adapter-free reference, TIS, two-sided clipping, delta, temperature, two PPO epochs:
-    the learner's micro-batched path (the fused loss for token level) == spec §4 on the whole batch."""
+    the learner's micro-batched path (the fused loss for token level) == spec §4 on the whole batch.
+    mu = 1: one optimizer step per cycle, so no separate old-log-prob forward (TIS from the training pass)."""
     groups = make_groups(2, 4, seed=11)
-    cfg = job(tmp_path, tiny_model, per=4, ga=2, spg=2, mu=2,
+    cfg = job(tmp_path, tiny_model, per=4, ga=2, spg=2, mu=mu,
               grpo={"beta": 0.2, "epsilon_high": 0.28, "delta": 1.5, "importance_sampling_level": level,
                     "vllm_importance_sampling_correction": True, "vllm_importance_sampling_cap": 1.2},
               generation={"temperature": 0.8})
     lr = started(Learner(cfg, port=free_port(), optimizer=sgd(LR)))
+    assert lr.needs_old() == (mu > 1)
     lr.train(groups)
-    close(lr.trainable_parameters(), reference_step(cfg, groups, LR, iterations=2))
+    close(lr.trainable_parameters(), reference_step(cfg, groups, LR, iterations=mu))
 
 
 def test_zero3_with_reference_and_two_epochs_matches_whole_batch(tmp_path, tiny_model):

@@ -63,6 +63,39 @@ def test_fused_path_equals_plain_path(tie, loss_type):
         torch.testing.assert_close(p.grad, want_grads[n], atol=1e-6, rtol=1e-4, msg=n)
 
 
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_tis_from_the_training_pass_equals_tis_from_a_separate_forward(mode):
+    """On-policy with TIS (one optimizer step per cycle): the weight taken from the fused pass's own
+    log-probs gives the loss and gradient of the plain path with old = a no-grad forward's log-probs."""
+    model, mb = tiny_lm(True), batch()
+    m = mb["mask"]
+    with torch.no_grad():
+        old = completion_logprobs(model, mb, 0.9)[0]
+    mb["sampler_logp"] = old + 0.3 * torch.randn(4, 7, generator=torch.Generator().manual_seed(2)).to(DEV)
+    per_kw = dict(sampler_logp=mb["sampler_logp"], tis_cap=1.1, tis_mode=mode)
+    logp, _ = completion_logprobs(model, mb, 0.9)
+    want = aggregate_loss(per_token_loss(logp, old, mb["advantages"], m, **per_kw), m, "dapo")
+    want.backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    seen = []
+    def tis_from(lp):
+        seen.append(lp)
+        return tis_weight(lp, mb["sampler_logp"], m, 1.1, mode)
+    loss, lp, _ = completion_grpo_loss(model, mb, 0.9, token_weights(m, "dapo"), tis_from=tis_from, chunk=5)
+    loss.backward()
+    torch.testing.assert_close(seen[0][m], old[m], atol=1e-5, rtol=1e-5)  # the weight saw this pass's log-probs
+    assert not seen[0].requires_grad
+    assert abs(loss.item() - want.item()) <= 1e-5 * max(1.0, abs(want.item()))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want_grads[n], atol=1e-6, rtol=1e-4, msg=n)
+    # and the weight matters here: without it the gradient differs
+    model.zero_grad()
+    completion_grpo_loss(model, mb, 0.9, token_weights(m, "dapo"), chunk=5)[0].backward()
+    assert any(not torch.allclose(p.grad, want_grads[n], atol=1e-6) for n, p in model.named_parameters())
+
+
 def test_all_masked_micro_batch_gives_zero_loss_with_a_graph():
     model, mb = tiny_lm(False), batch()
     mb["mask"][:] = False
