@@ -96,7 +96,9 @@ def main():
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     ev = prof.key_averages()
     if torch.cuda.is_available():
-        busy = sum(e.self_device_time_total for e in ev) / 1e6
+        from torch.autograd import DeviceType
+
+        busy = sum(e.self_device_time_total for e in ev if e.device_type == DeviceType.CUDA) / 1e6  # kernels only
         print(f"\nprofiled train: wall {wall:.3f} s, kernels {busy:.3f} s ({busy / wall:.0%} of the wall time)")
     print(ev.table(sort_by=key, row_limit=25, max_name_column_width=70))
 
