@@ -60,7 +60,19 @@ def set_distributed_env(rank: int, world: int, master: str, port: int) -> None:
 
 def before_deepspeed_init() -> None:
     """deepspeed 0.19: init_distributed builds a shared-memory comm op on CPU (~40 s of C++ on 2 cores)
-    that Tandem never uses (gloo does the CPU collectives). Remove when DeepSpeed builds it lazily."""
-    import deepspeed
+    that Tandem never uses (gloo does the CPU collectives). Remove when DeepSpeed builds it lazily.
+    Its config module also imports its autotuner, which imports mlflow where installed (2.5 s on 2 cores
+    and 115 MB per learner, for autotuning Tandem never runs): mlflow is hidden while deepspeed loads,
+    and importable again after."""
+    import sys
+
+    hide = "mlflow" not in sys.modules and "deepspeed" not in sys.modules
+    if hide:
+        sys.modules["mlflow"] = None  # `import mlflow` raises ImportError: DeepSpeed's own fallback
+    try:
+        import deepspeed
+    finally:
+        if hide:
+            del sys.modules["mlflow"]
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
