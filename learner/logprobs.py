@@ -54,6 +54,13 @@ def _module_logprobs(head, hidden, ids, temperature, chunk, with_entropy):
     return logp, (torch.cat([p[1] for p in parts]) if with_entropy and parts else None)
 
 
+def _head_logprobs(head, w, hidden, ids, temperature, chunk, with_entropy=False):
+    """Log-probs of `ids` from `hidden` [N, H]: the chunked kernel on a plain weight `w`, else the module."""
+    if w is not None:
+        return linear_logprobs(hidden, w, ids, temperature, chunk, with_entropy)
+    return _module_logprobs(head, hidden, ids, temperature, chunk, with_entropy)
+
+
 def completion_logprobs(model, batch, temperature: float, *, chunk: int = 1024, with_entropy: bool = False):
     """batch: input_ids/attention_mask/position_ids [B, P+T], completion_ids [B, T].
     -> (logp [B, T] float32, entropy [B, T] or None)."""
@@ -61,10 +68,7 @@ def completion_logprobs(model, batch, temperature: float, *, chunk: int = 1024, 
     B, T, H = hidden.shape
     h, ids = hidden.reshape(-1, H), batch["completion_ids"].reshape(-1)
     with _full_weight(head) as w:
-        if w is not None:
-            logp, ent = linear_logprobs(h, w, ids, temperature, chunk, with_entropy)
-        else:
-            logp, ent = _module_logprobs(head, h, ids, temperature, chunk, with_entropy)
+        logp, ent = _head_logprobs(head, w, h, ids, temperature, chunk, with_entropy)
     return logp.view(B, T), (ent.view(B, T) if ent is not None else None)
 
 
@@ -90,9 +94,7 @@ def completion_grpo_loss(model, batch, temperature: float, token_weight, *, old_
     with _full_weight(head) as w:
         if tis_from is not None:
             with torch.no_grad():
-                lp0 = (linear_logprobs(h, w, ids, temperature, chunk or 1024)[0] if w is not None else
-                       _module_logprobs(head, h, ids, temperature, chunk or 1024, False)[0])
-            tis = tis_from(full(lp0))
+                tis = tis_from(full(_head_logprobs(head, w, h, ids, temperature, chunk or 1024)[0]))
         adv = batch["advantages"].float().unsqueeze(-1).expand(B, T).reshape(-1)[idx]
         kw = dict(epsilon=epsilon, epsilon_high=epsilon_high, delta=delta, beta=beta, ref_logp=pick(ref_logp),
                   tis=pick(tis))
