@@ -1,10 +1,11 @@
 """The learner's `train` call on the end-to-end workload's generation batch (32 prompts x 8 completions
-x 256 tokens on GPU), in this process (no Ray), two ways side by side:
+x 256 tokens on GPU), in this process (no Ray), three ways side by side:
 
-- old_forward: a no-grad forward of the whole model for the old log-probs, then the training passes
-  (what the learner did with TIS on, and what TRL does whenever TIS is on);
-- from_training_pass: one optimizer step per cycle, so the training pass's own log-probs are the old
-  ones and TIS takes its weight from them (the learner's default path now).
+- old_forward+peft: a no-grad forward of the whole model for the old log-probs, then the training passes,
+  peft's LoRA forward (the learner of session 8; TRL does the same whenever TIS is on);
+- from_training_pass+peft: one optimizer step per cycle, so the training pass's own log-probs are the old
+  ones and TIS takes its weight from them (session 9);
+- from_training_pass+fused: the same with every LoRA layer through `kernels.lora_linear` (the default now).
 
 Then a torch.profiler trace of one `train` call: where the learner's GPU time goes.
 
@@ -64,11 +65,22 @@ def main():
     groups = generation_batch(lr.plan.unique_prompts, wl, wl["model"]["vocab"])
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     default = lr.needs_old
-    ways = {"old_forward": lambda: True, "from_training_pass": default}
+    lora = [m for m in lr.model.modules() if hasattr(m, "_peft_forward")]
+    fused = {id(m): m.forward for m in lora}
+
+    def use_fused(on: bool):
+        for m in lora:
+            m.forward = fused[id(m)] if on else m._peft_forward
+
+    ways = {"old_forward+peft": (lambda: True, False), "from_training_pass+peft": (default, False),
+            "from_training_pass+fused": (default, True)}
+    first = next(iter(ways))
+    print(f"{len(lora)} LoRA layers fused", flush=True)
     times = {k: [] for k in ways}
     for rep in range(a.reps + 1):  # the first round warms up
-        for name, needs in ways.items():
+        for name, (needs, on) in ways.items():
             lr.needs_old = needs
+            use_fused(on)
             sync()
             t = time.perf_counter()
             out = lr.train(groups)
@@ -76,13 +88,14 @@ def main():
             if rep:
                 times[name].append(time.perf_counter() - t)
     lr.needs_old = default
+    use_fused(True)
     tokens = out["steps"][0]["learner/tokens_per_s"] * out["steps"][0]["train_s"]
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"\nlearner.train on {len(groups)} groups x {wl['num_generations']} completions x {wl['max_tokens']} "
           f"tokens ({tokens:.0f} tokens), {wl['model']['dtype']}, {a.reps} reps, median s:")
-    print("| path | s per train | × old_forward | tokens/s |\n| --- | --- | --- | --- |")
+    print(f"| path | s per train | × {first} | tokens/s |\n| --- | --- | --- | --- |")
     for k, v in med.items():
-        print(f"| {k} | {v:.3f} | {v / med['old_forward']:.2f} | {tokens / v:.0f} |")
+        print(f"| {k} | {v:.3f} | {v / med[first]:.2f} | {tokens / v:.0f} |")
     if a.no_profile:
         return
     from torch.profiler import ProfilerActivity, profile

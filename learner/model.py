@@ -24,7 +24,40 @@ def load_policy(cfg):
         model = get_peft_model(model, lc)
         if m.gradient_checkpointing:
             model.enable_input_require_grads()
+        if cfg.cluster.zero_stage != 3:  # ZeRO-3 gathers lora_A/lora_B in their own forward hooks
+            fuse_lora_linears(model)
     return model
+
+
+def fuse_lora_linears(model) -> int:
+    """Every peft `lora.Linear` of `model` computes through `kernels.lora_linear` (the scale and the adds in
+    the GEMMs' epilogues) where it is plain LoRA: one active adapter, dropout 0, no DoRA or other variant,
+    a dense base weight of the input's dtype. Anything else (the adapter disabled for the reference policy,
+    merged, dropout, mixed batches) takes peft's own forward. Returns how many layers were fused."""
+    import types
+
+    from peft.tuners.lora.layer import Linear
+
+    n = 0
+    for mod in model.modules():
+        if type(mod) is Linear and not mod.fan_in_fan_out:
+            mod._peft_forward = mod.forward
+            mod.forward = types.MethodType(_fused_lora_forward, mod)
+            n += 1
+    return n
+
+
+def _fused_lora_forward(self, x, *args, **kwargs):
+    from tandem.kernels.lora_linear import lora_linear
+
+    names = [a for a in self.active_adapters if a in self.lora_A]
+    if args or kwargs or self.disable_adapters or self.merged or len(names) != 1 or names[0] in self.lora_variant \
+            or not isinstance(self.lora_dropout[names[0]], torch.nn.Identity):
+        return self._peft_forward(x, *args, **kwargs)
+    base, a, b = self.base_layer, self.lora_A[names[0]].weight, self.lora_B[names[0]].weight
+    if type(base) is not torch.nn.Linear or not (x.dtype == base.weight.dtype == a.dtype == b.dtype):
+        return self._peft_forward(x, *args, **kwargs)
+    return lora_linear(x, base.weight, base.bias, a, b, self.scaling[names[0]])
 
 
 def load_frozen_reference(cfg):

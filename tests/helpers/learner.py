@@ -34,6 +34,9 @@ def reference_step(cfg, groups, lr, iterations=1):
     With iterations > 1: old log-probs once, then `iterations` full-batch SGD steps (PPO epochs)."""
     torch.manual_seed(cfg.seed)
     model = load_policy(cfg)
+    for m in model.modules():  # peft's own LoRA forward: the reference does not share the learner's fused op
+        if hasattr(m, "_peft_forward"):
+            m.forward = m._peft_forward
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=lr)

@@ -80,6 +80,8 @@ def test_all_loss_terms_match_whole_batch(tmp_path, tiny_model, level, mu):
               generation={"temperature": 0.8})
     lr = started(Learner(cfg, port=free_port(), optimizer=sgd(LR)))
     assert lr.needs_old() == (mu > 1)
+    lora = [m for m in lr.model.modules() if type(m).__name__ == "Linear" and hasattr(m, "lora_A")]
+    assert lora and all(hasattr(m, "_peft_forward") for m in lora)  # the fused LoRA op, against peft's in the reference
     lr.train(groups)
     close(lr.trainable_parameters(), reference_step(cfg, groups, LR, iterations=mu))
 
