@@ -11,9 +11,25 @@ vLLM ceiling, TRL's GRPOTrainer in colocate mode; the same model (Qwen2.5-0.5B's
 import argparse
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+
+
+def quiet_machine(timeout: float = 60.0):
+    """Until the previous candidate's processes are gone: Ray's (stopped) and whatever holds GPU memory.
+    A ceiling measured while the last job's raylet and workers wind down reads low (session 9: 18% apart)."""
+    subprocess.run([sys.executable, "-c", "import sys; from ray.scripts.scripts import cli; "
+                    "sys.argv = ['ray', 'stop', '--force']; cli()"], capture_output=True, check=False)
+    end = time.time() + timeout
+    while time.time() < end:
+        q = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                           capture_output=True, text=True, check=False)
+        if q.returncode != 0 or not q.stdout.strip():
+            return
+        time.sleep(1)
+    print(f"quiet_machine: GPU processes still there after {timeout:.0f} s: {q.stdout.split()}", flush=True)
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
@@ -24,6 +40,7 @@ if __name__ == "__main__":
     a, rest = ap.parse_known_args()
     if not a.table_only:
         for c in a.candidates.split(","):
+            quiet_machine()
             print(f"== {c}", flush=True)
             subprocess.run([sys.executable, str(HERE / "e2e.py"), "run", c, "--workload", a.workload,
                             "--json", f"{a.out}/{c}.json", *rest], check=False)

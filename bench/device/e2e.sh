@@ -5,7 +5,8 @@ cd "$(dirname "$0")/../.."
 for d in services learner rollout kernels; do ln -sfn ../$d tandem/$d; done  # tandem.* from this tree
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false RAY_DEDUP_LOGS=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 bench/e2e_gpu.py --candidates "$1" --out "$OUT/e2e" --dir /tmp/tandem-e2e "${@:2}" > "$OUT/log-$1.txt" 2>&1
+log="$OUT/log-${1//,/-}.txt"  # one file name per call, commas out
+python3 bench/e2e_gpu.py --candidates "$1" --out "$OUT/e2e" --dir /tmp/tandem-e2e "${@:2}" > "$log" 2>&1
 rc=$?
-grep -v "it/s\]" "$OUT/log-$1.txt" | tail -c 9000
+grep -v "it/s\]" "$log" | tail -c 9000
 exit $rc
