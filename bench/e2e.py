@@ -164,14 +164,16 @@ def run_tandem(paths, wl, k, args) -> dict:
     ray = start_ray(None, cfg)
     pss = PeakPSS() if not gpu else None
     ctl = start_controller(ray, cfg)
-    rows, first_step_s, stop, cpu = [], None, None, None
+    rows, first_step_s, stop, cpu, step_s = [], None, None, None, []
     for i in range(wl["warmup"] + wl["steps"]):
         if i == wl["warmup"]:
             stop, cpu, t_meas = gpu_sampler(), cpu_busy_sampler(), time.time()
+        t_step = time.time()
         r = ray.get(ctl.step.remote())
         first_step_s = first_step_s or time.time() - T0
         if i >= wl["warmup"]:
             rows += r["steps"]
+            step_s.append(time.time() - t_step)
     wall = time.time() - t_meas
     cores = cpu()
     gpu_stats = stop() if stop else {}
@@ -183,7 +185,7 @@ def run_tandem(paths, wl, k, args) -> dict:
         return statistics.median(vals) if vals else None
     per_step = wall / len(rows)
     out = {
-        "s_per_step": per_step,
+        "s_per_step": per_step, "s_per_step_median": statistics.median(step_s), "step_s": step_s,
         "gen_s_per_step": med("rollout_busy_s"), "train_s_per_step": med("train_s"),
         "completions_per_s": wl["prompts"] * wl["num_generations"] * len(rows) / wall,
         "gen_tokens_per_s": med("rollout/gen_tokens_per_s"),
