@@ -22,16 +22,46 @@ def learner_actor_class(cfg, cls):
                       runtime_env={"env_vars": learner_env_vars(r.num_gpus > 0)})(cls)
 
 
+class LearnerActor:
+    """The Ray actor of one rank: a Learner built in the actor's own process. Defined here, away from the
+    Learner's module, so that the process starting the actors (the controller) never imports torch
+    (~140 MB and seconds per job); the methods are the ones LearnerGroup calls."""
+
+    def __init__(self, *args):
+        from tandem.learner.actor import Learner
+
+        self.learner = Learner(*args)
+
+    def placement(self) -> dict:
+        return self.learner.placement()
+
+    def setup(self) -> int:
+        return self.learner.setup()
+
+    def train(self, groups) -> dict:
+        return self.learner.train(groups)
+
+    def export_adapter(self):
+        return self.learner.export_adapter()
+
+    def save_checkpoint(self, directory: str, extra: dict | None = None) -> str:
+        return self.learner.save_checkpoint(directory, extra)
+
+    def load_checkpoint(self, directory: str) -> dict:
+        return self.learner.load_checkpoint(directory)
+
+    def trainable_parameters(self) -> dict:
+        return self.learner.trainable_parameters()
+
+
 class LearnerGroup:
     def __init__(self, cfg, total_steps: int, optimizer=None, probe: str | None = None, wait: bool = True):
         """Starts the actors; waits for every rank's setup (the process group forms there) unless
         wait=False: then `ready()` does (the rollout workers start meanwhile)."""
         import ray
 
-        from tandem.learner.actor import Learner
-
         n = cfg.cluster.num_processes
-        cls = learner_actor_class(cfg, Learner)
+        cls = learner_actor_class(cfg, LearnerActor)
         master = ray.util.get_node_ip_address()
         port = _free_port()
         self.actors = [cls.remote(cfg, rank, n, master, port, total_steps, optimizer, probe) for rank in range(n)]

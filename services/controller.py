@@ -55,12 +55,13 @@ class CycleInterrupted(Exception):
 
 
 class Controller:
-    """Lifecycle: `Controller(cfg)` stores the job; `setup()` reads and tokenises the data and starts the
+    """Lifecycle: `Controller(cfg, own_process)` stores the job (own_process: a Ray actor of its own, which
+    tokenises without importing torch); `setup()` reads and tokenises the data and starts the
     learner and the rollout workers; `resume()` optionally; `step()` per generation cycle (saving when
     the checkpointer says so); `save_checkpoint()` at the end; `shutdown()`."""
 
-    def __init__(self, cfg):
-        self.cfg = cfg
+    def __init__(self, cfg, own_process: bool = False):
+        self.cfg, self.own_process = cfg, own_process
         self.plan = BatchPlan.from_config(cfg)
         self.k = cfg.cluster.max_staleness
         self.out = Path(cfg.logging.output_dir)
@@ -85,9 +86,8 @@ class Controller:
     @one_at_a_time
     def setup(self, resource_wait_s: float = 0.0) -> dict:
         """resource_wait_s: how long a request no node can hold may wait for an autoscaler to add one."""
-        from transformers import AutoTokenizer
-
         from tandem.core.checks import check_inputs, write_shared_probe
+        from tandem.core.compat import tokenizer_without_torch
         from tandem.learner.group import LearnerGroup
         from tandem.rollout.prompts import tokenize_prompt
         from tandem.rollout.worker import prompts_in_flight, start_rollout_worker
@@ -97,7 +97,12 @@ class Controller:
         if cfg.logging.overwrite_output_dir and not cfg.checkpoint.resume:
             self._clear_run_dir()
         self.out.mkdir(parents=True, exist_ok=True)
-        tok = AutoTokenizer.from_pretrained(cfg.model.path)
+        if self.own_process:  # a Ray actor of its own: nothing here runs a model
+            tok = tokenizer_without_torch(cfg.model.path)
+        else:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(cfg.model.path)
         pc = cfg.data.prompt_column
 
         def table(path: str) -> PromptTable:  # tokenised once, here; workers receive token ids

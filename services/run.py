@@ -74,7 +74,7 @@ def start_controller(ray, cfg, resource_wait_s: float = 0.0):
         raise JobConfigError(f"logging.output_dir = {cfg.logging.output_dir!r}: a job writing there is already "
                              "running on this Ray cluster; allowed: a run directory no running job uses")
     ctl = ray.remote(num_cpus=0, max_concurrency=2)(Controller).options(
-        name=name, namespace=NAMESPACE).remote(cfg)
+        name=name, namespace=NAMESPACE).remote(cfg, own_process=True)
     try:  # waited for: a threaded actor does not keep its calls in order
         ray.get(ctl.setup.remote(resource_wait_s))
     except BaseException:

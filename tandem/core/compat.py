@@ -46,6 +46,34 @@ def learner_env_vars(use_gpu: bool) -> dict[str, str]:
     return {"DS_ACCELERATOR": "cuda" if use_gpu else "cpu", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def tokenizer_without_torch(path: str):
+    """The model's tokenizer for a process that only tokenises (the controller actor). transformers imports
+    torch on import wherever it is installed (utils/generic.py): 3-5 s and ~350 MB on 2 cores for a
+    process that never runs a model. torch is hidden while transformers loads (as mlflow is from
+    DeepSpeed, before_deepspeed_init), so transformers takes its tokenizers-only path: the same tokenizer
+    classes, the same ids. transformers then stays tokenizers-only for the whole process, so the caller
+    must own its process; where torch or transformers is already imported (a reward module that uses
+    them, a test process), the plain load. Permanent while transformers imports torch eagerly."""
+    import sys
+
+    hide = "torch" not in sys.modules and "transformers" not in sys.modules
+    quiet = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
+    if hide:
+        sys.modules["torch"] = None  # find_spec("torch") is None: transformers sees no torch
+        os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"  # its "PyTorch was not found" notice
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    finally:
+        if hide:
+            del sys.modules["torch"]
+            if quiet is None:
+                del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
+            else:
+                os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = quiet
+
+
 def set_distributed_env(rank: int, world: int, master: str, port: int) -> None:
     """torch.distributed's env:// rendezvous, which deepspeed.init_distributed reads. One learner rank per
     Ray actor, so each actor's own process environment. On CUDA each actor sees its GPU(s) as ordinal

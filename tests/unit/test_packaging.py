@@ -56,3 +56,28 @@ def test_the_learner_loads_deepspeed_without_mlflow_and_mlflow_still_imports_aft
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_the_controller_tokenises_without_torch_and_gets_the_same_ids(tiny_model):
+    """transformers imports torch wherever it is installed (~350 MB and seconds in a process that only
+    tokenises): the controller actor loads its tokenizer with torch hidden; the ids are the plain load's."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from tandem.rollout.prompts import tokenize_prompt
+
+    prompts = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "write 7 digits"}],
+               "plain text 123", [{"role": "user", "content": "héllo wörld"}]]
+    plain = AutoTokenizer.from_pretrained(tiny_model)
+    want = [tokenize_prompt(plain, p, max_prompt_length=64, truncate=False, row=i).tolist() for i, p in enumerate(prompts)]
+    code = ("import json, sys\nfrom tandem.core.compat import tokenizer_without_torch\n"
+            "from tandem.rollout.prompts import tokenize_prompt\n"
+            f"tok = tokenizer_without_torch({tiny_model!r})\nassert 'torch' not in sys.modules\n"
+            f"ids = [tokenize_prompt(tok, p, max_prompt_length=64, truncate=False, row=i).tolist() "
+            f"for i, p in enumerate(json.loads({json.dumps(prompts)!r}))]\n"
+            "assert 'torch' not in sys.modules\nimport torch\nassert torch.ones(2).sum() == 2\nprint(json.dumps(ids))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == want
+    assert "PyTorch was not found" not in out.stderr
