@@ -111,6 +111,10 @@ class IsolatedRewards:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool, self._gen = None, self._gen + 1
 
+    def start(self) -> None:
+        """The child processes spawn now (their imports run beside the engine's start), not at the first group."""
+        self._current()[0].submit(int)
+
     def score(self, *, rows: list[int], **kw) -> np.ndarray:
         where = f"reward functions {self.specs} on dataset row(s) {sorted(set(rows))}"
         for attempt in range(2):

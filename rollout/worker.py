@@ -52,10 +52,10 @@ ARRIVAL_WINDOW_S = 0.05  # ... or this long after the first one
 class _Request:
     """A prompt between its arrival and its completions: the calling thread waits on `done`."""
 
-    __slots__ = ("ids", "sampling", "version", "result", "error", "done", "submitted")
+    __slots__ = ("ids", "sampling", "min_version", "version", "result", "error", "done", "submitted")
 
-    def __init__(self, ids: np.ndarray, sampling: Sampling):
-        self.ids, self.sampling = ids, sampling
+    def __init__(self, ids: np.ndarray, sampling: Sampling, min_version: int = 0):
+        self.ids, self.sampling, self.min_version = ids, sampling, min_version
         self.version, self.result, self.error = 0, None, None
         self.done = threading.Event()
         self.submitted = 0.0
@@ -91,6 +91,8 @@ class RolloutWorker:
             t = self.cfg.reward_timeout_s
             self.rewards = (RewardFunctions(self.cfg.rewards) if t is None else
                             IsolatedRewards(self.cfg.rewards, t, int(self.cfg.cluster.rollout_resources.num_cpus)))
+            if isinstance(self.rewards, IsolatedRewards):
+                self.rewards.start()
             self.tok = AutoTokenizer.from_pretrained(self.cfg.model.path)
         except BaseException as e:
             self._setup_error = e
@@ -142,14 +144,17 @@ class RolloutWorker:
     def _loop(self) -> None:
         running: dict[int, _Request] = {}
         held: list = []  # an engine serving one version: a new one and what came after wait for `running` to end
+        early: list = []  # requests for a version not served yet (handed out while it is being published)
         next_key = 0
         while not self._stop.is_set():
-            cmds, held = held + ([] if (running or held) else self._arrivals()), []
+            due = any(c[1].min_version <= self.version for c in early)  # its version loaded after it came
+            cmds, held = held + ([] if (running or held or due) else self._arrivals()), []
             while True:
                 try:
                     cmds.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
+            cmds, early = cmds + early, []  # after the new commands: an adapter among them loads first
             batch = []
             for i, cmd in enumerate(cmds):
                 if cmd is None:
@@ -159,6 +164,8 @@ class RolloutWorker:
                     break
                 if cmd[0] == "adapter":
                     self._load(*cmd[1:])  # never raises: the caller of set_adapter hears of a failure
+                elif cmd[1].min_version > self.version:
+                    early.append(cmd)
                 elif self._streams:
                     req = cmd[1]
                     try:
@@ -260,7 +267,7 @@ class RolloutWorker:
         return self.version
 
     def _sample(self, items: list[PromptItem], sampling: Sampling) -> list[_Request]:
-        reqs = [_Request(it.prompt_ids, sampling) for it in items]
+        reqs = [_Request(it.prompt_ids, sampling, it.min_version) for it in items]
         for r in reqs:
             self._inbox.put(("request", r))
         for r in reqs:

@@ -288,7 +288,12 @@ class Controller:
         serving it. Prompts a worker that died on it held are handed out again."""
         self.version, adapter_ref = self.learner.export_adapter()
         exported = time.time()
-        for it in self.pool.publish(self.version, adapter_ref):
+        sent = self.pool.send(self.version, adapter_ref)
+        if self.k > 0 and self.cycle + self.k + 1 < self.total_cycles:  # (not past the last cycle)
+            # the cycle k + 1 ahead goes out now, for this version: each worker starts it the moment it
+            # serves it, instead of idling for a round trip to here (an engine serving one version drains first)
+            self._gather(self.plan.unique_prompts * (self.k + 1), timeout=0.0)
+        for it in self.pool.wait_published(sent):
             self.source.requeue(it.index, it.epoch, front=True)
         self._publish_latency = time.time() - exported
 

