@@ -161,35 +161,35 @@ class RolloutPool:
 
     # ----------------------------------------------------------------------------- publishing
 
-    def publish(self, version: int, adapter_ref) -> list:
-        """Every worker serves the new version once this returns (each loads it between two engine steps:
-        no generation is waited for); a worker still starting gets it after its setup. A worker that died
-        is replaced (the new one starts with this version); -> the prompts it held, to hand out again."""
-        return self.wait_published(self.send(version, adapter_ref))
-
     def send(self, version: int, adapter_ref) -> dict:
-        """publish's first half: the new version to every worker, not waited for. Prompts fed from now on
-        ask for it (PromptItem.min_version): a worker starts them once it serves it."""
+        """Publishing, first half: the new version to every worker, not waited for (each loads it between
+        two engine steps: no generation is waited for; a worker still starting gets it after its setup).
+        Prompts fed from now on ask for it (PromptItem.min_version): a worker starts them once it serves it.
+        -> what wait_published waits for."""
         self._mark_ready()  # a worker done starting is waited for like the others, not given a new start
         self.version, self.adapter_ref = version, adapter_ref
-        serving = {}
-        for i, s in enumerate(self.slots):
+        serving = []
+        for s in self.slots:
             ref = s.actor.set_adapter.remote(version, adapter_ref)
             if s.ready is None:
-                serving[i] = ref
+                serving.append((s, ref))
             else:
                 s.ready = ref  # set_adapter waits for setup inside the actor: it serves once both are done
         return serving
 
-    def wait_published(self, serving: dict) -> list:
-        """publish's second half: until every worker `send` reached serves the version (or was replaced)."""
+    def wait_published(self, serving: list) -> list:
+        """Publishing, second half: until every worker `send` reached serves the version. A worker that died
+        is replaced (the new one starts with this version); -> the prompts it held, to hand out again. One
+        scaled away in between (a feed applies `scale`) is not waited for: it held no prompts."""
         lost = []
-        for i, ref in serving.items():
+        for s, ref in serving:
             try:
                 self.ray.get(ref)
             except self.ray.exceptions.RayError:
-                self.counters["worker_failures"] += 1
-                lost += self._replace(i)
+                i = next((i for i, x in enumerate(self.slots) if x is s), None)
+                if i is not None:
+                    self.counters["worker_failures"] += 1
+                    lost += self._replace(i)
         return lost
 
     def stats(self) -> list[dict]:
