@@ -7,6 +7,8 @@ import contextlib
 
 import torch
 
+from tandem.kernels.lora_linear import lora_linear
+
 
 def load_policy(cfg):
     from transformers import AutoModelForCausalLM
@@ -48,8 +50,6 @@ def fuse_lora_linears(model) -> int:
 
 
 def _fused_lora_forward(self, x, *args, **kwargs):
-    from tandem.kernels.lora_linear import lora_linear
-
     names = [a for a in self.active_adapters if a in self.lora_A]
     if args or kwargs or self.disable_adapters or self.merged or len(names) != 1 or names[0] in self.lora_variant \
             or not isinstance(self.lora_dropout[names[0]], torch.nn.Identity):

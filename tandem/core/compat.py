@@ -4,7 +4,9 @@ functions, so importing this module stays cheap."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 
 
 def job_env_vars(working_dir: str) -> dict[str, str]:
@@ -46,6 +48,21 @@ def learner_env_vars(use_gpu: bool) -> dict[str, str]:
     return {"DS_ACCELERATOR": "cuda" if use_gpu else "cpu", "TOKENIZERS_PARALLELISM": "false"}
 
 
+@contextlib.contextmanager
+def hidden_module(name: str, loading: str):
+    """`import name` fails while `loading` is first imported (sys.modules[name] = None; find_spec gives None),
+    so `loading` takes its path without it; importable again after. Only where neither is imported yet:
+    an import already made stays as it is. Yields whether it hid."""
+    hide = name not in sys.modules and loading not in sys.modules
+    if hide:
+        sys.modules[name] = None
+    try:
+        yield hide
+    finally:
+        if hide:
+            del sys.modules[name]
+
+
 def tokenizer_without_torch(path: str):
     """The model's tokenizer for a process that only tokenises (the controller actor). transformers imports
     torch on import wherever it is installed (utils/generic.py): 3-5 s and ~350 MB on 2 cores for a
@@ -54,23 +71,18 @@ def tokenizer_without_torch(path: str):
     classes, the same ids. transformers then stays tokenizers-only for the whole process, so the caller
     must own its process; where torch or transformers is already imported (a reward module that uses
     them, a test process), the plain load. Permanent while transformers imports torch eagerly."""
-    import sys
-
-    hide = "torch" not in sys.modules and "transformers" not in sys.modules
     quiet = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
-    if hide:
-        sys.modules["torch"] = None  # find_spec("torch") is None: transformers sees no torch
-        os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"  # its "PyTorch was not found" notice
-    try:
-        from transformers import AutoTokenizer
+    with hidden_module("torch", "transformers") as hid:
+        if hid:
+            os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"  # its "PyTorch was not found" notice
+        try:
+            from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path)
-    finally:
-        if hide:
-            del sys.modules["torch"]
-            if quiet is None:
+            return AutoTokenizer.from_pretrained(path)
+        finally:
+            if hid and quiet is None:
                 del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
-            else:
+            elif hid:
                 os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = quiet
 
 
@@ -92,15 +104,7 @@ def before_deepspeed_init() -> None:
     Its config module also imports its autotuner, which imports mlflow where installed (2.5 s on 2 cores
     and 115 MB per learner, for autotuning Tandem never runs): mlflow is hidden while deepspeed loads,
     and importable again after."""
-    import sys
-
-    hide = "mlflow" not in sys.modules and "deepspeed" not in sys.modules
-    if hide:
-        sys.modules["mlflow"] = None  # `import mlflow` raises ImportError: DeepSpeed's own fallback
-    try:
+    with hidden_module("mlflow", "deepspeed"):  # `import mlflow` raises ImportError: DeepSpeed's own fallback
         import deepspeed
-    finally:
-        if hide:
-            del sys.modules["mlflow"]
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
