@@ -53,9 +53,13 @@ def tied_model(tmp_path_factory):
 def ray_session(tmp_path_factory):
     import ray
 
+    from tandem.core.compat import LOCAL_RAY_CONFIG, lean_local_ray
+
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")), configure_logging=False)
+    with lean_local_ray():  # the embedded Ray `tandem run` starts
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+                 _temp_dir=str(tmp_path_factory.mktemp("ray")), configure_logging=False,
+                 _system_config=LOCAL_RAY_CONFIG)
     yield ray
     ray.shutdown()
 
