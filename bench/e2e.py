@@ -130,8 +130,8 @@ def cpu_busy_sampler():
 # ---------------------------------------------------------------------------------- candidates
 
 
-def tandem_config(paths, wl, k, args):
-    """The workload as a Tandem job (max_staleness k)."""
+def tandem_config(paths, wl, k, args, mode="server"):
+    """The workload as a Tandem job (max_staleness k, cluster.vllm_mode mode)."""
     from tandem.core.config import JobConfig
 
     gpu = args.workload == "gpu"
@@ -144,7 +144,7 @@ def tandem_config(paths, wl, k, args):
                   "num_generations": wl["num_generations"], "max_steps": wl["steps"] + wl["warmup"]},
         "grpo": {"loss_type": "dapo", "beta": 0.0},
         "optimizer": {"learning_rate": wl["lr"], "lr_scheduler_type": "constant"},
-        "cluster": {"num_rollout_workers": 1, "max_staleness": k,
+        "cluster": {"num_rollout_workers": 1, "max_staleness": k, "vllm_mode": mode,
                     "rollout_resources": res(args.rollout_gpus if gpu else 0),
                     "learner_resources": res(args.learner_gpus if gpu else 0),
                     "vllm_gpu_memory_utilization": args.vllm_memory},
@@ -152,13 +152,13 @@ def tandem_config(paths, wl, k, args):
     })
 
 
-def run_tandem(paths, wl, k, args) -> dict:
+def run_tandem(paths, wl, k, args, mode="server") -> dict:
     import shutil
 
     from tandem.services.run import start_controller, start_ray
 
     gpu = args.workload == "gpu"
-    cfg = tandem_config(paths, wl, k, args)
+    cfg = tandem_config(paths, wl, k, args, mode)
 
     shutil.rmtree(cfg.logging.output_dir, ignore_errors=True)
     ray = start_ray(None, cfg)
@@ -357,7 +357,8 @@ def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("candidate", choices=["tandem_k0", "tandem_k1", "vllm_ceiling", "trl_colocate", "trl"])
+    r.add_argument("candidate", choices=["tandem_k0", "tandem_k1", "tandem_k0_colocate", "tandem_k1_colocate",
+                                                "vllm_ceiling", "trl_colocate", "trl"])
     r.add_argument("--workload", default="gpu", choices=list(WORKLOADS))
     r.add_argument("--dir", default="/tmp/tandem-e2e")
     r.add_argument("--json", required=True)
@@ -381,6 +382,8 @@ def main():
         wl[key] = json.loads(v)
     paths = prepare(Path(a.dir), wl)
     fn = {"tandem_k0": lambda: run_tandem(paths, wl, 0, a), "tandem_k1": lambda: run_tandem(paths, wl, 1, a),
+          "tandem_k0_colocate": lambda: run_tandem(paths, wl, 0, a, "colocate"),
+          "tandem_k1_colocate": lambda: run_tandem(paths, wl, 1, a, "colocate"),
           "vllm_ceiling": lambda: run_vllm(paths, wl, a), "trl_colocate": lambda: run_trl(paths, wl, a),
           "trl": lambda: run_trl(paths, wl, a)}[a.candidate]
     res = fn()

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+CANDIDATES = ("tandem_k0", "tandem_k1", "tandem_k0_colocate", "tandem_k1_colocate", "trl")  # cluster.vllm_mode
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
@@ -19,11 +20,11 @@ if __name__ == "__main__":
     a = ap.parse_args()
     for p in a.sizes.split(","):
         out = f"{a.out}/p{p}"
-        for c in ("tandem_k0", "tandem_k1", "trl"):
+        for c in CANDIDATES:
             print(f"== {c}, {int(p) * 8} completions per step", flush=True)
             per = max(8, int(p) * 8)
             subprocess.run([sys.executable, str(HERE / "e2e.py"), "run", c, "--workload", "cpu", "--dir",
                             f"/tmp/tandem-e2e-cpu-work-{p}", "--json", f"{out}/{c}.json", "--set", f"prompts={p}",
                             "--set", f"per_device={per}"], check=False)
-        subprocess.run([sys.executable, str(HERE / "e2e.py"), "table", out, "--names", "tandem_k0,tandem_k1,trl",
+        subprocess.run([sys.executable, str(HERE / "e2e.py"), "table", out, "--names", ",".join(CANDIDATES),
                         "--peer", "trl"], check=True)

@@ -22,6 +22,10 @@ def learner_actor_class(cfg, cls):
                       runtime_env={"env_vars": learner_env_vars(r.num_gpus > 0)})(cls)
 
 
+LEARNER_METHODS = ("placement", "setup", "train", "export_adapter", "save_checkpoint", "load_checkpoint",
+                   "trainable_parameters")  # what LearnerGroup calls on a rank
+
+
 class LearnerActor:
     """The Ray actor of one rank: a Learner built in the actor's own process. Defined here, away from the
     Learner's module, so that the process starting the actors (the controller) never imports torch
@@ -55,21 +59,28 @@ class LearnerActor:
 
 
 class LearnerGroup:
-    def __init__(self, cfg, total_steps: int, optimizer=None, probe: str | None = None, wait: bool = True):
+    def __init__(self, cfg, total_steps: int, optimizer=None, probe: str | None = None, wait: bool = True,
+                 actor_class=None, prefix: str = ""):
         """Starts the actors; waits for every rank's setup (the process group forms there) unless
-        wait=False: then `ready()` does (the rollout workers start meanwhile)."""
+        wait=False: then `ready()` does (the rollout workers start meanwhile). actor_class: a Ray actor
+        class built from the Learner's arguments whose LEARNER_METHODS are named prefix + method (the
+        colocated rollout worker, cluster.vllm_mode colocate); None: LearnerActor."""
         import ray
 
         n = cfg.cluster.num_processes
-        cls = learner_actor_class(cfg, LearnerActor)
+        cls = actor_class or learner_actor_class(cfg, LearnerActor)
+        self._prefix = prefix
         master = ray.util.get_node_ip_address()
         port = _free_port()
         self.actors = [cls.remote(cfg, rank, n, master, port, total_steps, optimizer, probe) for rank in range(n)]
-        self._placed = [a.placement.remote() for a in self.actors]
-        self._setup = [a.setup.remote() for a in self.actors]
+        self._placed = [self._method(a, "placement").remote() for a in self.actors]
+        self._setup = [self._method(a, "setup").remote() for a in self.actors]
         self._cfg = cfg
         if wait:
             self.ready()
+
+    def _method(self, actor, name: str):
+        return getattr(actor, self._prefix + name)
 
     def ready(self) -> None:
         import ray
@@ -82,10 +93,10 @@ class LearnerGroup:
     def _all(self, method: str, *args):
         import ray
 
-        return ray.get([getattr(a, method).remote(*args) for a in self.actors])
+        return ray.get([self._method(a, method).remote(*args) for a in self.actors])
 
     def train_async(self, groups_or_refs) -> list:
-        return [a.train.remote(groups_or_refs) for a in self.actors]
+        return [self._method(a, "train").remote(groups_or_refs) for a in self.actors]
 
     def train(self, groups_or_refs) -> dict:
         """Every rank gets the same list (object refs resolve in each rank's object store)."""
@@ -94,7 +105,7 @@ class LearnerGroup:
     def export_adapter(self):
         import ray
 
-        return ray.get(self.actors[0].export_adapter.remote())
+        return ray.get(self._method(self.actors[0], "export_adapter").remote())
 
     def save_checkpoint(self, directory: str, extra: dict | None = None) -> str:
         return self._all("save_checkpoint", directory, extra)[0]
@@ -105,7 +116,7 @@ class LearnerGroup:
     def trainable_parameters(self) -> dict:
         import ray
 
-        return ray.get(self.actors[0].trainable_parameters.remote())
+        return ray.get(self._method(self.actors[0], "trainable_parameters").remote())
 
     def shutdown(self) -> None:
         import ray

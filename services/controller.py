@@ -90,7 +90,8 @@ class Controller:
         from tandem.core.compat import tokenizer_without_torch
         from tandem.learner.group import LearnerGroup
         from tandem.rollout.prompts import tokenize_prompt
-        from tandem.rollout.worker import prompts_in_flight, start_rollout_worker
+        from tandem.rollout.worker import prompts_in_flight
+        from tandem.services.colocated import PREFIX, colocated_actor_class, worker_starter
 
         cfg = self.cfg
         check_inputs(cfg)  # as this node sees them; each worker imports the rewards again in its setup
@@ -124,11 +125,17 @@ class Controller:
         else:
             self.total_cycles = max(int(cfg.batch.num_train_epochs * len(rows)) // U, 1)
         self.total_steps = self.total_cycles * self.plan.optimizer_steps_per_cycle
-        self.pool = RolloutPool(lambda slot: start_rollout_worker(cfg, slot), prompts_in_flight(cfg), self.counters)
         self._wait_for_nodes(resource_wait_s)
         probe = write_shared_probe(cfg.logging.output_dir)
         try:  # the learner's setup runs while the rollout workers start
-            self.learner = LearnerGroup(cfg, total_steps=self.total_steps, probe=probe, wait=False)
+            if cfg.cluster.vllm_mode == "colocate":  # rank 0 hosts rollout worker 0
+                self.learner = LearnerGroup(cfg, total_steps=self.total_steps, probe=probe, wait=False,
+                                            actor_class=colocated_actor_class(cfg), prefix=PREFIX)
+                start = worker_starter(cfg, host=self.learner.actors[0])
+            else:
+                self.learner = LearnerGroup(cfg, total_steps=self.total_steps, probe=probe, wait=False)
+                start = worker_starter(cfg)
+            self.pool = RolloutPool(start, prompts_in_flight(cfg), self.counters)
             self.pool.start(cfg.cluster.num_rollout_workers)
             self.learner.ready()
         finally:
@@ -139,10 +146,12 @@ class Controller:
     def _wait_for_nodes(self, wait_s: float) -> None:
         """Every role's request fits some node (within wait_s), or a one-line error: an actor that no node
         can hold would wait forever, and the job and `tandem status` with it."""
+        import ray
+
         from tandem.core.checks import resource_errors
 
         end = time.time() + wait_s
-        while errors := resource_errors(self.cfg, self.pool.ray.nodes()):
+        while errors := resource_errors(self.cfg, ray.nodes()):
             if time.time() >= end:
                 raise JobConfigError("invalid job: " + "; ".join(errors) +
                                      (f" (waited {wait_s:.0f} s for a node to join)" if wait_s else ""))

@@ -105,17 +105,31 @@ def resource_errors(cfg: JobConfig, nodes: list[dict]) -> list[str]:
     one that no live node could ever hold, named with what the nodes have. Without this the actor waits
     for a node forever, and the job with it."""
     have = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
+    c = cfg.cluster
+    roles = {f: _request(getattr(c, f)) for f in ("rollout_resources", "learner_resources")}
+    if c.vllm_mode == "colocate":
+        roles["rollout_resources + learner_resources (vllm_mode colocate: one actor)"] = colocated_request(cfg)
     out = []
-    for field in ("rollout_resources", "learner_resources"):
-        r = getattr(cfg.cluster, field)
-        need = {"CPU": r.num_cpus, "GPU": r.num_gpus, **r.resources}
-        need = {k: v for k, v in need.items() if v > 0}
+    for field, need in roles.items():
         if any(all(h.get(k, 0.0) >= v for k, v in need.items()) for h in have):
             continue
         largest = {k: max((h.get(k, 0.0) for h in have), default=0.0) for k in need}
         out.append(f"cluster.{field} = {need}: no node of the Ray cluster has that much (the most any node has: "
                    f"{largest}); allowed: what one node has, e.g. num_gpus: 0 on a machine without a GPU")
     return out
+
+
+def _request(r) -> dict[str, float]:
+    need = {"CPU": r.num_cpus, "GPU": r.num_gpus, **r.resources}
+    return {k: v for k, v in need.items() if v > 0}
+
+
+def colocated_request(cfg: JobConfig) -> dict[str, float]:
+    """What the colocated actor (rollout worker 0 + the learner, vllm_mode colocate) asks Ray for: both."""
+    both = _request(cfg.cluster.rollout_resources)
+    for k, v in _request(cfg.cluster.learner_resources).items():
+        both[k] = both.get(k, 0.0) + v
+    return both
 
 
 def shared_gpu_error(cfg: JobConfig, placements: list[dict]) -> str | None:

@@ -219,6 +219,11 @@ class ClusterConfig(_Section):
         "(vLLM's CPU LoRA kernels double a small model's step), a LoRA adapter on GPU")
     vllm_max_num_seqs: int | None = Field(
         None, ge=1, description="sequences vLLM batches at once; null = vLLM's default (256 on GPU, 128 on CPU)")
+    vllm_mode: Literal["server", "colocate"] = Field(
+        "server", description="TRL's name: 'server' = every rollout engine in a Ray actor of its own; 'colocate' = "
+        "the first rollout worker's engine in the learner's process (one actor asking for both resources: one "
+        "process importing torch, transformers and Ray fewer; needs num_processes 1). Workers beyond the first, "
+        "and `tandem scale`, add server-mode ones")
     address: str | None = Field(None, description="Ray address `tandem run` joins when --address is not given; "
                                 "null = embedded Ray")
     max_restarts: int = Field(3, ge=0, le=100, description="times the job is restarted from its newest checkpoint "
@@ -348,6 +353,9 @@ class JobConfig(_Section):
                 JobConfigWarning,
                 stacklevel=2,
             )
+        if c.vllm_mode == "colocate" and c.num_processes != 1:
+            raise ValueError(f"cluster.vllm_mode = 'colocate' with cluster.num_processes = {c.num_processes}: the "
+                             "engine shares the learner's one process; allowed: num_processes 1, or vllm_mode 'server'")
         resolve_batch(b, g.num_iterations, c.num_processes)
         return self
 

@@ -80,6 +80,29 @@ def test_end_to_end(ray_session, tmp_path, tiny_model):
     ctl.shutdown()
 
 
+def test_colocated_learner_and_engine_share_one_process_and_lose_nothing(ray_session, tmp_path, tiny_model):
+    """vllm_mode colocate: rollout worker 0 is the learner's actor; with max_staleness 1 its engine samples
+    while the learner trains in the same process, and the accounting holds as in server mode."""
+    k, cycles = 1, 3
+    cfg = loop_job(tmp_path, tiny_model, k, batch={"max_steps": cycles}, cluster={"vllm_mode": "colocate"})
+    ctl = started(Controller(cfg))
+    U = ctl.plan.unique_prompts
+    assert ctl.workers[0]._actor_id == ctl.learner.actors[0]._actor_id  # one actor, one process
+    for c in range(cycles):
+        r = ctl.step()
+        assert r["version"] == c + 1
+        assert all(math.isfinite(s["loss"]) and s["version_lag_max"] <= k for s in r["steps"])
+    assert r["done"] and len(ctl.seen) == cycles * U
+    by_cycle = [list(ctl.seen)[i * U:(i + 1) * U] for i in range(cycles)]
+    assert all(c - k <= v <= c for c, groups in enumerate(by_cycle) for _, _, v in groups)
+    inside = ray_session.get(ctl.workers[0].__ray_call__.remote(
+        lambda self: (self._learner.learner.steps, self.version, type(self.engine).__name__,
+                      os.environ.get("MALLOC_ARENA_MAX"))))
+    assert inside == (cycles, cycles, "VLLMEngine", "2")  # trained and served there
+    check_accounting(ctl, 16)
+    ctl.shutdown()
+
+
 def test_k0_samples_each_cycle_with_the_previous_version_and_resume_continues_order_and_version(
         ray_session, tmp_path, tiny_model):
     cfg = loop_job(tmp_path, tiny_model, 0, batch={"max_steps": 4})

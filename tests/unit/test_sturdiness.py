@@ -176,6 +176,25 @@ def test_a_resource_no_node_has_is_named_with_what_the_nodes_have():
     assert "cluster.learner_resources" in e and "the most any node has: {'CPU': 8.0, 'GPU': 1.0}" in e
     assert len(errs({"learner_resources": {"resources": {"learner": 1}},
                      "rollout_resources": {"num_gpus": 0.5, "resources": {"rollout": 2}}})) == 2
+    # colocated: one actor asks for both, summed; each alone fits the GPU node, together they do not
+    split = {"rollout_resources": {"num_cpus": 2, "num_gpus": 0.5}, "learner_resources": {"num_cpus": 3, "num_gpus": 0.5}}
+    assert errs(split) == [] and errs({**split, "vllm_mode": "colocate"}) != []
+    (e,) = errs({**split, "vllm_mode": "colocate"})
+    assert e.startswith("cluster.rollout_resources + learner_resources (vllm_mode colocate: one actor) = "
+                        "{'CPU': 5.0, 'GPU': 1.0}: no node")
+    assert errs({**split, "learner_resources": {"num_cpus": 2, "num_gpus": 0.5}, "vllm_mode": "colocate"}) == []
+
+
+def test_colocate_needs_one_learner_process():
+    from tandem.core.config import JobConfig, JobConfigError
+
+    job = {"model": {"path": "m"}, "data": {"path": "d.jsonl"}, "rewards": ["r.py:f"]}
+    assert JobConfig.from_dict({**job, "cluster": {"vllm_mode": "colocate"}}).cluster.vllm_mode == "colocate"
+    with pytest.raises(JobConfigError, match=r"cluster.vllm_mode = 'colocate' with cluster.num_processes = 2.*"
+                                             r"allowed: num_processes 1, or vllm_mode 'server'"):
+        JobConfig.from_dict({**job, "cluster": {"vllm_mode": "colocate", "num_processes": 2}})
+    with pytest.raises(JobConfigError, match="vllm_mode"):
+        JobConfig.from_dict({**job, "cluster": {"vllm_mode": "colocated"}})
 
 
 def test_relative_paths_become_absolute_against_the_drivers_directory(tmp_path):

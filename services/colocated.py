@@ -1,0 +1,74 @@
+"""`cluster.vllm_mode: colocate`: rollout worker 0 and the learner's one rank in one Ray actor, one process
+(TRL's colocate mode, verl's hybrid engine). One process fewer importing torch, transformers, the model
+code and Ray's core worker: on the CPU benchmark's job ~0.4 GB of PSS and seconds of launch on 2 cores.
+The engine loop samples in its thread while the learner trains in another of the same process: their
+kernels release the GIL, their host work shares it.
+
+Everything else is the server mode's: the rollout pool feeds this actor as any worker (slot 0), the
+LearnerGroup drives its learner through the `learner_*` methods. Its death is the learner's: the job
+restarts from its newest checkpoint (cluster.max_restarts); a replacement for slot 0 is a plain worker."""
+
+from __future__ import annotations
+
+from tandem.core.checks import colocated_request
+from tandem.core.compat import learner_env_vars, rollout_env_vars
+from tandem.learner.group import LEARNER_METHODS, LearnerActor
+from tandem.rollout.worker import RolloutWorker, prompts_in_flight, start_rollout_worker
+
+PREFIX = "learner_"
+# glibc gives each thread that allocates its own malloc arena, and keeps what they free: the learner's calls
+# run on whichever of the actor's pool threads is free, so without a cap every one of them grows an arena
+# (the CPU benchmark's job: this process 1.01 GB after 22 steps and growing; capped 0.85 GB there, 0.88 after 60)
+COLOCATED_ENV = {"MALLOC_ARENA_MAX": "2"}
+
+
+class ColocatedWorker(RolloutWorker):
+    """A RolloutWorker (worker 0) whose process also holds the learner, built from the learner's arguments."""
+
+    def __init__(self, cfg, *learner_args):
+        super().__init__(cfg, 0)
+        self._learner = LearnerActor(cfg, *learner_args)
+
+    def learner_setup(self) -> int:
+        # after the engine: vLLM and DeepSpeed each set up torch.distributed's default group if none exists,
+        # and two threads doing it at once collide (one process group of world size 1 serves both)
+        self._await_ready()
+        return self._learner.setup()
+
+
+def _delegate(name: str):
+    def call(self, *args):
+        return getattr(self._learner, name)(*args)
+    call.__name__ = PREFIX + name
+    return call
+
+
+for _name in LEARNER_METHODS:
+    if not hasattr(ColocatedWorker, PREFIX + _name):
+        setattr(ColocatedWorker, PREFIX + _name, _delegate(_name))
+
+
+def colocated_actor_class(cfg):
+    """ColocatedWorker as a threaded Ray actor asking for a rollout worker's and a learner rank's resources
+    together (one node must hold both), with both roles' environment."""
+    import ray
+
+    c = cfg.cluster
+    need = colocated_request(cfg)
+    env = {**learner_env_vars(c.learner_resources.num_gpus > 0), **rollout_env_vars(c.rollout_resources.num_gpus),
+           **COLOCATED_ENV}
+    return ray.remote(num_cpus=need.pop("CPU", 0.0), num_gpus=need.pop("GPU", 0.0), resources=need or None,
+                      runtime_env={"env_vars": env}, max_concurrency=prompts_in_flight(cfg) + 9)(ColocatedWorker)
+
+
+def worker_starter(cfg, host=None):
+    """start_worker(slot) for the RolloutPool: the colocated actor `host` for the first start (its setup
+    starts the engine), plain rollout workers for every other slot and for any replacement."""
+    hosts = [host] if host is not None else []
+
+    def start(slot: int):
+        if hosts:
+            h = hosts.pop()
+            return h, h.setup.remote()
+        return start_rollout_worker(cfg, slot)
+    return start

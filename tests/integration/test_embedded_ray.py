@@ -1,0 +1,39 @@
+"""The embedded Ray `tandem run` starts holds what one job on one machine needs, and nothing more."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = """
+import os, sys, psutil, ray
+from tandem.core.config import JobConfig
+from tandem.services.run import start_ray
+cfg = JobConfig.from_dict({"model": {"path": "m"}, "data": {"path": "d.jsonl"}, "rewards": ["r.py:f"]})
+start_ray(None, cfg)
+@ray.remote(num_cpus=0)
+class Named:
+    def pid(self):
+        return os.getpid()
+a = Named.options(name="n", namespace="t").remote()
+pid = ray.get(ray.get_actor("n", namespace="t").pid.remote())
+print("PIDS", pid, [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)])
+ray.shutdown()
+"""
+
+
+def test_embedded_ray_starts_no_monitors_no_api_server_and_no_idle_workers(tmp_path):
+    out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("PIDS"))
+    cmds = eval(line.split(" ", 2)[2])  # noqa: S307 - our own print of a list of str
+    binaries = sorted(c.split()[0].rsplit("/", 1)[-1] for c in cmds if not c.startswith("ray::"))
+    assert binaries == ["gcs_server", "raylet"], binaries  # no monitor.py, log_monitor.py, dashboard.py
+    # the raylet's two agents and the job's actor: no idle worker prestarted beside it
+    assert sorted(c.split()[0] for c in cmds if c.startswith("ray::")) == \
+        ["ray::DashboardAgent", "ray::Named", "ray::RuntimeEnvAgent"]
