@@ -1,5 +1,6 @@
 """The embedded Ray `tandem run` starts holds what one job on one machine needs, and nothing more."""
 
+import ast
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ from tests.helpers import ROOT
 pytestmark = pytest.mark.integration
 
 SCRIPT = """
-import os, sys, psutil, ray
+import os, subprocess, sys, psutil, ray
 from tandem.core.config import JobConfig
 from tandem.services.run import start_ray
 cfg = JobConfig.from_dict({"model": {"path": "m"}, "data": {"path": "d.jsonl"}, "rewards": ["r.py:f"]})
@@ -20,8 +21,12 @@ class Named:
     def pid(self):
         return os.getpid()
 a = Named.options(name="n", namespace="t").remote()
-pid = ray.get(ray.get_actor("n", namespace="t").pid.remote())
-print("PIDS", pid, [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)])
+pid = ray.get(a.pid.remote())
+cmds = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
+# another process on this machine finds the named actor through GCS, as `tandem scale` / `status` do
+other = subprocess.run([sys.executable, "-c", "import ray; ray.init(address='auto', namespace='t'); "
+                        "print(ray.get(ray.get_actor('n').pid.remote()))"], capture_output=True, text=True)
+print("PIDS", pid, other.stdout.strip().splitlines()[-1:], cmds)
 ray.shutdown()
 """
 
@@ -31,9 +36,11 @@ def test_embedded_ray_starts_no_monitors_no_api_server_and_no_idle_workers(tmp_p
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-2000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("PIDS"))
-    cmds = eval(line.split(" ", 2)[2])  # noqa: S307 - our own print of a list of str
+    pid, found, cmds = line.split(" ", 3)[1:]
+    found, cmds = ast.literal_eval(found), ast.literal_eval(cmds)
     binaries = sorted(c.split()[0].rsplit("/", 1)[-1] for c in cmds if not c.startswith("ray::"))
     assert binaries == ["gcs_server", "raylet"], binaries  # no monitor.py, log_monitor.py, dashboard.py
     # the raylet's two agents and the job's actor: no idle worker prestarted beside it
     assert sorted(c.split()[0] for c in cmds if c.startswith("ray::")) == \
         ["ray::DashboardAgent", "ray::Named", "ray::RuntimeEnvAgent"]
+    assert found == [pid]

@@ -193,7 +193,7 @@ def test_colocate_needs_one_learner_process():
     with pytest.raises(JobConfigError, match=r"cluster.vllm_mode = 'colocate' with cluster.num_processes = 2.*"
                                              r"allowed: num_processes 1, or vllm_mode 'server'"):
         JobConfig.from_dict({**job, "cluster": {"vllm_mode": "colocate", "num_processes": 2}})
-    with pytest.raises(JobConfigError, match="vllm_mode"):
+    with pytest.raises(JobConfigError, match="cluster.vllm_mode = 'colocated': must be 'server' or 'colocate'"):
         JobConfig.from_dict({**job, "cluster": {"vllm_mode": "colocated"}})
 
 
