@@ -251,7 +251,9 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float) -> int:
         while not done:
             try:
                 r = ray.get(ctl.step.remote())  # saves when checkpoint.save_steps says so
-            except ray.exceptions.RayActorError as e:  # the controller, or the learner under it, died
+            # the controller or the learner died; or the owner of an object in flight did: the learner's published
+            # adapter, which a replacement rollout worker loads (vllm_mode colocate: worker 0 dies with the learner)
+            except (ray.exceptions.RayActorError, ray.exceptions.OwnerDiedError) as e:
                 restarts += 1
                 ctl = restart_job(ray, cfg, ctl, e, restarts, out, wait_s)
                 bar.n = ray.get(ctl.__ray_call__.remote(lambda self: self.cycle))

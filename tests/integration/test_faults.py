@@ -25,6 +25,14 @@ def r(completions, **kw):
 '''
 
 
+STEADY_REWARD = '''
+import time
+def r(completions, **kw):
+    time.sleep(0.3)  # a step takes a second or so: a kill after the first checkpoint lands mid-run
+    return [float(len(c) % 4) for c in completions]
+'''
+
+
 def lines(metrics: Path) -> list[dict]:
     return [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
 
@@ -208,3 +216,41 @@ def test_every_death_on_a_ray_start_cluster_is_survived_and_sigterm_saves_within
     assert len(trained) == len(trained.pairs()) == 2 * len(steps)
     pending = {tuple(x) for x in meta["controller"]["cursor"]["requeued"]}
     assert pending and not pending & {(i, e) for e, i in trained.pairs()}  # the slow cycle's prompts come back
+
+
+def test_the_colocated_actors_death_is_the_learners_and_the_job_restarts_from_its_checkpoint(ray_head, tmp_path,
+                                                                                              tiny_model):
+    """vllm_mode colocate: SIGKILL of the one actor holding rollout worker 0 and the learner restarts the job
+    from its newest checkpoint (a learner rank's death), which then ends: one metrics line a step, the adapter
+    written."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    (tmp_path / "steady_reward.py").write_text(STEADY_REWARD)
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{a} + {a}"}) + "\n" for a in range(16)))
+    job = {"model": {"path": tiny_model, "dtype": "float32", "lora": {"r": 8, "lora_alpha": 16}},
+           "data": {"path": "data.jsonl"}, "rewards": ["steady_reward.py:r"],
+           "generation": {"max_prompt_length": 64, "max_completion_length": 8},
+           "batch": {"num_generations": 4, "per_device_train_batch_size": 8, "max_steps": 8},
+           "optimizer": {"learning_rate": 1e-2}, "cluster": {"vllm_mode": "colocate", "max_restarts": 1},
+           "checkpoint": {"save_steps": 2, "save_total_limit": None},
+           "logging": {"output_dir": "run", "progress": False}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    env = dict(os.environ, RAY_AUTH_TOKEN=ray_head["token"])
+    env.pop("RAY_AUTH_MODE", None)
+    p = subprocess.Popen([sys.executable, "-m", "tandem.services.cli", "run", "job.yaml", "--address", ray_head["gcs"]],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env)
+    try:
+        wait_for(lambda: newest_checkpoint_step(tmp_path / "run") >= 2, "a checkpoint")
+        os.kill(wait_for(lambda: actor_pid(ray_head["pid"], "ColocatedWorker"), "the colocated actor"), signal.SIGKILL)
+        out, _ = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, out[-4000:]
+    assert "restart 1 of 1 from the newest checkpoint" in out and "resumed from checkpoint: " in out, out[-4000:]
+    steps = [x["step"] for x in lines(tmp_path / "run" / "metrics.jsonl")]
+    assert steps == list(range(1, 9)), steps  # the rolled-back steps trained again, their lines cut
+    assert (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
