@@ -128,13 +128,10 @@ class Controller:
         self._wait_for_nodes(resource_wait_s)
         probe = write_shared_probe(cfg.logging.output_dir)
         try:  # the learner's setup runs while the rollout workers start
-            if cfg.cluster.vllm_mode == "colocate":  # rank 0 hosts rollout worker 0
-                self.learner = LearnerGroup(cfg, total_steps=self.total_steps, probe=probe, wait=False,
-                                            actor_class=colocated_actor_class(cfg), prefix=PREFIX)
-                start = worker_starter(cfg, host=self.learner.actors[0])
-            else:
-                self.learner = LearnerGroup(cfg, total_steps=self.total_steps, probe=probe, wait=False)
-                start = worker_starter(cfg)
+            colocate = cfg.cluster.vllm_mode == "colocate"  # rank 0's actor is rollout worker 0
+            host = dict(actor_class=colocated_actor_class(cfg), prefix=PREFIX) if colocate else {}
+            self.learner = LearnerGroup(cfg, total_steps=self.total_steps, probe=probe, wait=False, **host)
+            start = worker_starter(cfg, host=self.learner.actors[0] if colocate else None)
             self.pool = RolloutPool(start, prompts_in_flight(cfg), self.counters)
             self.pool.start(cfg.cluster.num_rollout_workers)
             self.learner.ready()
