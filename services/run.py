@@ -18,7 +18,7 @@ from tandem.core.adapter import ADAPTER_DIR
 def start_ray(address: str | None, cfg):
     import ray
 
-    from tandem.core.compat import LOCAL_RAY_CONFIG, job_env_vars, lean_local_ray
+    from tandem.core.compat import init_local_ray, job_env_vars
 
     if ray.is_initialized():
         return ray
@@ -29,9 +29,7 @@ def start_ray(address: str | None, cfg):
     else:
         need = (cfg.cluster.num_rollout_workers * cfg.cluster.rollout_resources.num_cpus
                 + cfg.cluster.num_processes * cfg.cluster.learner_resources.num_cpus)
-        with lean_local_ray():
-            ray.init(address="local", num_cpus=max(int(need) + 1, os.cpu_count() or 1), include_dashboard=False,
-                     log_to_driver=False, runtime_env=env, configure_logging=False, _system_config=LOCAL_RAY_CONFIG)
+        init_local_ray(max(int(need) + 1, os.cpu_count() or 1), runtime_env=env)
     return ray
 
 

@@ -53,13 +53,10 @@ def tied_model(tmp_path_factory):
 def ray_session(tmp_path_factory):
     import ray
 
-    from tandem.core.compat import LOCAL_RAY_CONFIG, lean_local_ray
+    from tandem.core.compat import init_local_ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    with lean_local_ray():  # the embedded Ray `tandem run` starts
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-                 _temp_dir=str(tmp_path_factory.mktemp("ray")), configure_logging=False,
-                 _system_config=LOCAL_RAY_CONFIG)
+    init_local_ray(8, _temp_dir=str(tmp_path_factory.mktemp("ray")))  # the embedded Ray `tandem run` starts
     yield ray
     ray.shutdown()
 

@@ -42,32 +42,30 @@ def before_vllm_import() -> None:
         torch._dynamo.config.disable = True  # dynamo may already be imported: the variable alone is late
 
 
-LOCAL_RAY_CONFIG = {"prestart_worker_first_driver": False}  # Ray's _system_config for an embedded Ray
-
-
-@contextlib.contextmanager
-def lean_local_ray():
-    """Around `ray.init(address="local", include_dashboard=False, log_to_driver=False,
-    _system_config=LOCAL_RAY_CONFIG)`: the embedded Ray of one job on one machine starts GCS, the raylet and
-    its two agents only. Left out: the autoscaler's monitor (no node ever joins an embedded Ray), the log
-    monitor (log_to_driver is off: the actors' logs stay in the session's files), the dashboard's API server
-    (the dashboard is off; its Jobs and State HTTP APIs serve `ray job` / `ray list`, which an embedded job
-    never calls; named actors, `tandem scale` / `status`, go through GCS) and, by LOCAL_RAY_CONFIG, the
-    idle workers Ray prestarts for the driver (Tandem's actors each take a worker of their own runtime env).
+def init_local_ray(num_cpus: int, **kwargs) -> None:
+    """`ray.init` of the embedded Ray of one job on one machine (kwargs: runtime_env, _temp_dir): GCS, the
+    raylet and its two agents only. Left out: the autoscaler's monitor (no node ever joins an embedded Ray),
+    the log monitor (log_to_driver is off: the actors' logs stay in the session's files), the dashboard's API
+    server (the dashboard is off; its Jobs and State HTTP APIs serve `ray job` / `ray list`, which an embedded
+    job never calls; named actors, `tandem scale` / `status`, go through GCS) and the idle workers Ray
+    prestarts for the driver (Tandem's actors each take a worker of their own runtime env).
     Measured here: 681 -> 425 MB PSS for Ray's processes, ray.init 4.6 -> 1.8 s on 2 cores. ray.init has no
-    argument for the first three (RayParams has: no_monitor, include_log_monitor); remove when it has."""
+    argument for the first three (RayParams has: no_monitor, include_log_monitor): they are set, and the API
+    server skipped, while it runs; remove when it has."""
+    import ray
     from ray._private import node
 
     init, api = node.Node.__init__, node.Node.start_api_server
 
-    def lean_init(self, ray_params, *args, **kwargs):
+    def lean_init(self, ray_params, *args, **kw):
         ray_params.no_monitor, ray_params.include_log_monitor = True, False
-        init(self, ray_params, *args, **kwargs)
+        init(self, ray_params, *args, **kw)
 
     node.Node.__init__ = lean_init
-    node.Node.start_api_server = lambda self, **kwargs: None
+    node.Node.start_api_server = lambda self, **kw: None
     try:
-        yield
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False, _system_config={"prestart_worker_first_driver": False}, **kwargs)
     finally:
         node.Node.__init__, node.Node.start_api_server = init, api
 
