@@ -36,6 +36,9 @@ class RewardFunctions:
     def __len__(self) -> int:
         return len(self.fns)
 
+    def start(self) -> None:
+        """Nothing to start in-process (IsolatedRewards spawns its processes)."""
+
     def close(self) -> None:
         """Nothing to release in-process (IsolatedRewards stops its processes)."""
 

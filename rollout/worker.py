@@ -91,8 +91,7 @@ class RolloutWorker:
             t = self.cfg.reward_timeout_s
             self.rewards = (RewardFunctions(self.cfg.rewards) if t is None else
                             IsolatedRewards(self.cfg.rewards, t, int(self.cfg.cluster.rollout_resources.num_cpus)))
-            if isinstance(self.rewards, IsolatedRewards):
-                self.rewards.start()
+            self.rewards.start()
             self.tok = AutoTokenizer.from_pretrained(self.cfg.model.path)
         except BaseException as e:
             self._setup_error = e
@@ -345,14 +344,19 @@ class RolloutWorker:
 
 
 def rollout_actor_class(cfg, cls=RolloutWorker):
-    """RolloutWorker as a threaded Ray actor asking for the job's rollout resources: one thread per
-    prompt in flight, plus publishing, health and stats."""
+    """RolloutWorker as a threaded Ray actor (call_threads) asking for the job's rollout resources."""
     import ray
 
     r = cfg.cluster.rollout_resources
     return ray.remote(num_cpus=r.num_cpus, num_gpus=r.num_gpus, resources=r.resources or None,
                       runtime_env={"env_vars": rollout_env_vars(r.num_gpus)},
-                      max_concurrency=prompts_in_flight(cfg) + 8)(cls)
+                      max_concurrency=call_threads(cfg))(cls)
+
+
+def call_threads(cfg) -> int:
+    """Threads of a rollout worker actor: one per prompt in flight (each waits for its group), plus
+    publishing, health and stats."""
+    return prompts_in_flight(cfg) + 8
 
 
 def prompts_in_flight(cfg) -> int:

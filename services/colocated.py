@@ -1,6 +1,6 @@
 """`cluster.vllm_mode: colocate`: rollout worker 0 and the learner's one rank in one Ray actor, one process
 (TRL's colocate mode, verl's hybrid engine). One process fewer importing torch, transformers, the model
-code and Ray's core worker: on the CPU benchmark's job ~0.4 GB of PSS and seconds of launch on 2 cores.
+code and Ray's core worker: on the CPU benchmark's job 1.61 -> 1.36 GB of PSS at 8 completions.
 The engine loop samples in its thread while the learner trains in another of the same process: their
 kernels release the GIL, their host work shares it.
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from tandem.core.checks import colocated_request
 from tandem.core.compat import learner_env_vars, rollout_env_vars
 from tandem.learner.group import LEARNER_METHODS, LearnerActor
-from tandem.rollout.worker import RolloutWorker, prompts_in_flight, start_rollout_worker
+from tandem.rollout.worker import RolloutWorker, call_threads, start_rollout_worker
 
 PREFIX = "learner_"
 # glibc gives each thread that allocates its own malloc arena, and keeps what they free: the learner's calls
@@ -50,7 +50,8 @@ for _name in LEARNER_METHODS:
 
 def colocated_actor_class(cfg):
     """ColocatedWorker as a threaded Ray actor asking for a rollout worker's and a learner rank's resources
-    together (one node must hold both), with both roles' environment."""
+    together (one node must hold both), with both roles' environment; one call thread more than a rollout
+    worker's, for the learner's calls."""
     import ray
 
     c = cfg.cluster
@@ -63,7 +64,7 @@ def colocated_actor_class(cfg):
     env = {**learner_env_vars(lr.num_gpus > 0), **rollout_env_vars(r.num_gpus), **COLOCATED_ENV,
            "OMP_NUM_THREADS": threads}
     return ray.remote(num_cpus=need.pop("CPU", 0.0), num_gpus=need.pop("GPU", 0.0), resources=need or None,
-                      runtime_env={"env_vars": env}, max_concurrency=prompts_in_flight(cfg) + 9)(ColocatedWorker)
+                      runtime_env={"env_vars": env}, max_concurrency=call_threads(cfg) + 1)(ColocatedWorker)
 
 
 def worker_starter(cfg, host=None):

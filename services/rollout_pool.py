@@ -161,7 +161,7 @@ class RolloutPool:
 
     # ----------------------------------------------------------------------------- publishing
 
-    def send(self, version: int, adapter_ref) -> dict:
+    def send(self, version: int, adapter_ref) -> list:
         """Publishing, first half: the new version to every worker, not waited for (each loads it between
         two engine steps: no generation is waited for; a worker still starting gets it after its setup).
         Prompts fed from now on ask for it (PromptItem.min_version): a worker starts them once it serves it.
