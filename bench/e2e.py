@@ -40,6 +40,10 @@ WORKLOADS = {
                 lora=dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
                 prompts=1, num_generations=8, max_tokens=48, per_device=8, ga=1, steps=20, warmup=2, lr=1e-4),
 }
+# Tandem's candidates: max_staleness, cluster.vllm_mode, model.fast_inference
+TANDEM = {"tandem_k0": (0, "server", True), "tandem_k1": (1, "server", True),
+          "tandem_k0_colocate": (0, "colocate", True), "tandem_k1_colocate": (1, "colocate", True),
+          "tandem_k0_generate": (0, "server", False), "tandem_k1_generate": (1, "server", False)}
 KEYS = ("s_per_step", "gen_s_per_step", "train_s_per_step", "completions_per_s", "gen_tokens_per_s",
         "gpu_busy_frac", "peak_gpu_gib", "publish_latency_s")
 
@@ -130,14 +134,16 @@ def cpu_busy_sampler():
 # ---------------------------------------------------------------------------------- candidates
 
 
-def tandem_config(paths, wl, k, args, mode="server"):
-    """The workload as a Tandem job (max_staleness k, cluster.vllm_mode mode)."""
+def tandem_config(paths, wl, k, args, mode="server", vllm=True):
+    """The workload as a Tandem job (max_staleness k, cluster.vllm_mode mode; vllm False: fast_inference
+    false, transformers generate samples)."""
     from tandem.core.config import JobConfig
 
     gpu = args.workload == "gpu"
     res = lambda g: {"num_cpus": 1, "num_gpus": g}
     return JobConfig.from_dict({
-        "model": {"path": paths["model"], "dtype": wl["model"]["dtype"], "lora": wl["lora"]},
+        "model": {"path": paths["model"], "dtype": wl["model"]["dtype"], "lora": wl["lora"],
+                  "fast_inference": vllm},
         "data": {"path": paths["data"]}, "rewards": [REWARD],
         "generation": {"temperature": 1.0, "max_prompt_length": 64, "max_completion_length": wl["max_tokens"]},
         "batch": {"per_device_train_batch_size": wl["per_device"], "gradient_accumulation_steps": wl["ga"],
@@ -152,13 +158,13 @@ def tandem_config(paths, wl, k, args, mode="server"):
     })
 
 
-def run_tandem(paths, wl, k, args, mode="server") -> dict:
+def run_tandem(paths, wl, k, args, mode="server", vllm=True) -> dict:
     import shutil
 
     from tandem.services.run import start_controller, start_ray
 
     gpu = args.workload == "gpu"
-    cfg = tandem_config(paths, wl, k, args, mode)
+    cfg = tandem_config(paths, wl, k, args, mode, vllm)
 
     shutil.rmtree(cfg.logging.output_dir, ignore_errors=True)
     ray = start_ray(None, cfg)
@@ -340,16 +346,23 @@ def versions() -> dict:
 def table(out_dir: Path, names: list[str], ceiling: str | None, peer: str) -> str:
     c = {n: json.loads((out_dir / f"{n}.json").read_text()) for n in names if (out_dir / f"{n}.json").is_file()}
     fmt = lambda v, p=2: "—" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
+    cpu = any(r.get("pss_gb") is not None for r in c.values())  # CPU: memory as PSS, launch time, cores
+    extra = " launch → first step s | peak PSS GB | cores > 50% |" if cpu else ""
     lines = ["| candidate | s/step | gen s/step | train s/step | completions/s | × " + peer +
-             " | gen tok/s | × ceiling | GPU busy | peak GPU GiB | publish s |", "|" + " --- |" * 11]
+             " | gen tok/s | × ceiling | GPU busy | peak GPU GiB | publish s |" + extra,
+             "|" + " --- |" * (14 if cpu else 11)]
     for n, r in c.items():
         x_peer = r["completions_per_s"] / c[peer]["completions_per_s"] if peer in c else None
         x_ceil = (r["gen_tokens_per_s"] / c[ceiling]["gen_tokens_per_s"]
                   if ceiling in c and r.get("gen_tokens_per_s") and n != ceiling else None)
-        lines.append(f"| {n} | {fmt(r['s_per_step'])} | {fmt(r.get('gen_s_per_step'))} | "
-                     f"{fmt(r.get('train_s_per_step'))} | {fmt(r['completions_per_s'], 1)} | {fmt(x_peer)} | "
-                     f"{fmt(r.get('gen_tokens_per_s'), 0)} | {fmt(x_ceil)} | {fmt(r.get('gpu_busy_frac'))} | "
-                     f"{fmt(r.get('peak_gpu_gib'), 1)} | {fmt(r.get('publish_latency_s'), 3)} |")
+        row = (f"| {n} | {fmt(r['s_per_step'], 3)} | {fmt(r.get('gen_s_per_step'))} | "
+               f"{fmt(r.get('train_s_per_step'))} | {fmt(r['completions_per_s'], 1)} | {fmt(x_peer)} | "
+               f"{fmt(r.get('gen_tokens_per_s'), 0)} | {fmt(x_ceil)} | {fmt(r.get('gpu_busy_frac'))} | "
+               f"{fmt(r.get('peak_gpu_gib'), 1)} | {fmt(r.get('publish_latency_s'), 3)} |")
+        if cpu:
+            row += (f" {fmt(r.get('launch_to_first_step_s'), 1)} | {fmt(r.get('pss_gb'))} |"
+                    f" {fmt(r.get('cores_busy'))} |")
+        lines.append(row)
     return "\n".join(lines), c
 
 
@@ -357,8 +370,7 @@ def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("candidate", choices=["tandem_k0", "tandem_k1", "tandem_k0_colocate", "tandem_k1_colocate",
-                                                "vllm_ceiling", "trl_colocate", "trl"])
+    r.add_argument("candidate", choices=list(TANDEM) + ["vllm_ceiling", "trl_colocate", "trl"])
     r.add_argument("--workload", default="gpu", choices=list(WORKLOADS))
     r.add_argument("--dir", default="/tmp/tandem-e2e")
     r.add_argument("--json", required=True)
@@ -381,12 +393,11 @@ def main():
         key, v = item.split("=", 1)
         wl[key] = json.loads(v)
     paths = prepare(Path(a.dir), wl)
-    fn = {"tandem_k0": lambda: run_tandem(paths, wl, 0, a), "tandem_k1": lambda: run_tandem(paths, wl, 1, a),
-          "tandem_k0_colocate": lambda: run_tandem(paths, wl, 0, a, "colocate"),
-          "tandem_k1_colocate": lambda: run_tandem(paths, wl, 1, a, "colocate"),
-          "vllm_ceiling": lambda: run_vllm(paths, wl, a), "trl_colocate": lambda: run_trl(paths, wl, a),
-          "trl": lambda: run_trl(paths, wl, a)}[a.candidate]
-    res = fn()
+    if a.candidate in TANDEM:
+        k, mode, vllm = TANDEM[a.candidate]
+        res = run_tandem(paths, wl, k, a, mode, vllm)
+    else:
+        res = run_vllm(paths, wl, a) if a.candidate == "vllm_ceiling" else run_trl(paths, wl, a)
     res.update(candidate=a.candidate, workload=a.workload, versions=versions(), wl=wl)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(res, indent=1))

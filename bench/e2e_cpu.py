@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-CANDIDATES = ("tandem_k0", "tandem_k1", "tandem_k0_colocate", "tandem_k1_colocate", "trl")  # cluster.vllm_mode
+CANDIDATES = ("tandem_k0", "tandem_k1", "tandem_k0_colocate", "tandem_k1_colocate", "tandem_k0_generate",
+              "tandem_k1_generate", "trl")  # e2e.TANDEM says what each Tandem candidate sets
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

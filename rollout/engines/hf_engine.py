@@ -7,6 +7,8 @@ import numpy as np
 
 from tandem.rollout.engines.base import Completion, Engine, Sampling
 
+SCORES_BYTES = 1 << 30
+
 
 class HFEngine(Engine):
     def __init__(self, model_path: str, *, dtype: str = "float32", lora=None, seed: int = 0, device: str | None = None):
@@ -47,23 +49,39 @@ class HFEngine(Engine):
         else:
             kw.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or 0,
                       min_p=sampling.min_p)
-        results = []
-        for p in prompts:  # one prompt at a time: no left padding to reason about
-            ids = torch.as_tensor(np.asarray(p, dtype=np.int64), device=self.device).unsqueeze(0)
-            with torch.no_grad():
-                out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
-            new = out.sequences[:, ids.shape[1]:]
-            scores = torch.stack(out.scores, dim=1).float()  # [n, L, V], processed
-            logp = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-            comps = []
-            for i in range(new.shape[0]):
-                toks = new[i].tolist()
-                eos = self.eos_id in toks
-                n = toks.index(self.eos_id) + 1 if eos else len(toks)
-                comps.append(Completion(np.asarray(toks[:n], dtype=np.int32),
-                                        logp[i, :n].cpu().numpy().astype(np.float32), eos))
-            results.append(comps)
-        return results
+        return [group for chunk in self._chunks(prompts, sampling) for group in self._generate(chunk, sampling.n, kw)]
+
+    def _chunks(self, prompts, sampling: Sampling) -> list[list[np.ndarray]]:
+        """Prompts generated together, left-padded, as TRL's GRPOTrainer does: on a small model a decoding
+        step costs the same for 8 rows as for 128, so one prompt at a time paid it once per prompt. One at a
+        time where padding would change the numbers: a repetition penalty counts the prompt's tokens, pads
+        included. A chunk's processed scores (kept for the log-probs, [rows, tokens, vocab] fp32) stay within
+        SCORES_BYTES."""
+        if sampling.repetition_penalty != 1.0:
+            return [[p] for p in prompts]
+        per_prompt = sampling.n * sampling.max_tokens * self.model.config.get_text_config().vocab_size * 4
+        size = max(1, SCORES_BYTES // per_prompt)
+        return [list(prompts[i:i + size]) for i in range(0, len(prompts), size)]
+
+    def _generate(self, prompts, n: int, kw: dict) -> list[list[Completion]]:
+        torch = self.torch
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.int64)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding: every row's next token at the same position
+            ids[i, width - len(p):] = torch.as_tensor(np.asarray(p, dtype=np.int64))
+            mask[i, width - len(p):] = 1
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **kw)
+        new = out.sequences[:, width:]
+        scores = torch.stack(out.scores, dim=1).float()  # [rows, L, V], processed
+        logp = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1).cpu().numpy()
+        comps = []
+        for i, toks in enumerate(new.tolist()):  # rows: prompt 0's n completions, then prompt 1's, ...
+            eos = self.eos_id in toks
+            k = toks.index(self.eos_id) + 1 if eos else len(toks)
+            comps.append(Completion(np.asarray(toks[:k], dtype=np.int32), logp[i, :k].astype(np.float32), eos))
+        return [comps[j:j + n] for j in range(0, len(comps), n)]
 
     def load_adapter(self, version, tensors):
         from peft import set_peft_model_state_dict

@@ -87,6 +87,30 @@ def test_sampling_parameters_applied(ray_session, worker, hf, tiny_model):
     assert len({tuple(hot[0].completion(k).tolist()) for k in range(4)}) > 1
 
 
+def test_transformers_engine_generates_prompts_of_different_lengths_together(hf, tiny_model):
+    """fast_inference false generates a batch of prompts in one left-padded `generate`: each completion's
+    log-probs are its own prompt's (a pad attended to, or a position shifted by the padding, changes them),
+    greedy completions are those of the prompt alone; a repetition penalty, which would count the pads,
+    and a batch whose scores outgrow SCORES_BYTES are split."""
+    from tandem.rollout.engines import hf_engine
+
+    prompts = [np.arange(3, 3 + n) for n in (4, 19, 9)]
+    out = hf.generate(prompts, Sampling(n=3, temperature=0.7, max_tokens=14))
+    assert [len(g) for g in out] == [3, 3, 3]
+    for p, g in zip(prompts, out):
+        for c in g:
+            assert np.abs(hf.score(p, c.tokens, temperature=0.7) - c.logprobs).max() < 1e-4
+    greedy = Sampling(n=1, top_k=1, max_tokens=14)
+    alone = [hf.generate([p], greedy)[0][0].tokens.tolist() for p in prompts]
+    assert [g[0].tokens.tolist() for g in hf.generate(prompts, greedy)] == alone
+    assert [len(c) for c in hf._chunks(prompts, Sampling(n=3, repetition_penalty=1.1))] == [1, 1, 1]
+    assert [len(c) for c in hf._chunks(prompts, Sampling(n=3))] == [3]
+    row = 3 * 256 * hf.model.config.vocab_size * 4  # one prompt's scores at max_tokens 256
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_engine, "SCORES_BYTES", 2 * row)
+        assert [len(c) for c in hf._chunks(prompts, Sampling(n=3, max_tokens=256))] == [2, 1]
+
+
 def test_temperature_0_is_greedy_and_a_refused_request_leaves_the_worker_serving(ray_session, worker, hf, tiny_model):
     """Evaluation's greedy sampling (temperature 0) is transformers' greedy on both engines; a request
     the engine refuses (vLLM: greedy with n > 1) fails its own call, and the engine loop serves on."""
