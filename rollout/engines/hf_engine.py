@@ -28,6 +28,9 @@ class HFEngine(Engine):
                                                      target_modules=list(lora.target_modules)))
             model.eval()
         self.model = model
+        self._base = {}  # LoRA layer name -> its base weight as loaded, which every merge starts from
+        if lora is not None:
+            self._merge()
         self.eos_id = self.tok.eos_token_id
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
         self.generator_seed = seed
@@ -89,7 +92,24 @@ class HFEngine(Engine):
         if self.lora is None:
             raise RuntimeError("HFEngine.load_adapter: engine built without LoRA (model.lora is null)")
         set_peft_model_state_dict(self.model, {k: v.to(self.device) for k, v in tensors.items()})
+        self._merge()
         self.adapter_version = version
+
+    def _merge(self) -> None:
+        """The adapter added into its layers' base weights (as vLLM's on CPU, `cluster.vllm_merge_adapter`):
+        a decoding step then runs the base model's ops, not four more per LoRA layer (a tenth of the tiny
+        CPU model's step). From the weights as loaded, not by subtracting the last merge: no drift over
+        thousands of versions in bf16. peft's forward skips the LoRA branch of a merged layer."""
+        from peft.tuners.lora import LoraLayer
+
+        torch = self.torch
+        with torch.no_grad():
+            for name, layer in self.model.named_modules():
+                if isinstance(layer, LoraLayer):
+                    w = layer.get_base_layer().weight
+                    base = self._base.setdefault(name, w.detach().clone())
+                    w.copy_((base.float() + layer.get_delta_weight("default").float()).to(w.dtype))
+                    layer.merged_adapters = ["default"]
 
     def load_weights(self, version, tensors):
         self.model.load_state_dict({k: v.to(self.device) for k, v in tensors.items()}, strict=False)

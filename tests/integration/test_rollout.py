@@ -132,6 +132,34 @@ def random_adapter(hf, seed):
     return {k: torch.randn(v.shape, generator=g) * (0.5 if "lora_B" in k else 0.2) for k, v in sd.items()}
 
 
+def test_transformers_engine_merges_each_adapter_into_the_weights_as_loaded(tiny_model, job):
+    """fast_inference false samples with the adapter merged into the base weights: its log-probs are those
+    of peft's LoRA forward (unmerged, in a model of its own), and a version merged after another is the
+    same model as that version merged alone (every merge starts from the weights as loaded)."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    lora = job.model.lora
+    e, alone = HFEngine(tiny_model, lora=lora), HFEngine(tiny_model, lora=lora)
+    base = e.score(np.arange(3, 12), np.arange(20, 30))
+    a1, a2 = random_adapter(e, 1), random_adapter(e, 2)
+    e.load_adapter(1, a1)
+    e.load_adapter(2, a2)
+    alone.load_adapter(2, a2)
+    for (name, p), (_, q) in zip(e.model.named_parameters(), alone.model.named_parameters()):
+        assert torch.equal(p, q), name
+    ref = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
+                         LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, target_modules=list(lora.target_modules)))
+    set_peft_model_state_dict(ref, a2)
+    ref.eval()
+    ids = torch.arange(3, 12).tolist() + torch.arange(20, 30).tolist()
+    with torch.no_grad():
+        logits = ref(input_ids=torch.tensor([ids])).logits[0, 8:-1]
+    want = torch.log_softmax(logits, -1).gather(-1, torch.arange(20, 30)[:, None]).squeeze(-1).numpy()
+    got = e.score(np.arange(3, 12), np.arange(20, 30))
+    assert np.abs(got - want).max() < 1e-4 and np.abs(got - base).max() > 1e-2
+
+
 def test_new_adapter_version_changes_outputs(ray_session, worker, hf, tiny_model):
     its = items(tiny_model, n=2, start=5)
     greedy = Sampling(n=1, top_k=1, max_tokens=12)
