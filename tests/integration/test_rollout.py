@@ -89,26 +89,28 @@ def test_sampling_parameters_applied(ray_session, worker, hf, tiny_model):
 
 def test_transformers_engine_generates_prompts_of_different_lengths_together(hf, tiny_model):
     """fast_inference false generates a batch of prompts in one left-padded `generate`: each completion's
-    log-probs are its own prompt's (a pad attended to, or a position shifted by the padding, changes them),
-    greedy completions are those of the prompt alone; a repetition penalty, which would count the pads,
-    and a batch whose scores outgrow SCORES_BYTES are split."""
-    from tandem.rollout.engines import hf_engine
-
+    log-probs are its own prompt's (a pad attended to, or a position shifted by the padding, changes them)
+    under the processed distribution (top-k: renormalised over the k most likely tokens), greedy completions
+    are those of the prompt alone; under a repetition penalty, which would count the pads, one at a time."""
     prompts = [np.arange(3, 3 + n) for n in (4, 19, 9)]
     out = hf.generate(prompts, Sampling(n=3, temperature=0.7, max_tokens=14))
     assert [len(g) for g in out] == [3, 3, 3]
     for p, g in zip(prompts, out):
         for c in g:
             assert np.abs(hf.score(p, c.tokens, temperature=0.7) - c.logprobs).max() < 1e-4
+    for p, g in zip(prompts, hf.generate(prompts, Sampling(n=2, temperature=0.7, top_k=5, max_tokens=14))):
+        for c in g:
+            ids = torch.as_tensor(np.concatenate([p, c.tokens]).astype(np.int64))[None]
+            with torch.no_grad():
+                logits = hf.model(input_ids=ids).logits[0, len(p) - 1:-1] / 0.7
+            kept = logits.masked_fill(logits < logits.topk(5, -1).values[:, -1:], float("-inf"))
+            want = torch.log_softmax(kept, -1).gather(-1, ids[0, len(p):, None]).squeeze(-1).numpy()
+            assert np.abs(want - c.logprobs).max() < 1e-4
     greedy = Sampling(n=1, top_k=1, max_tokens=14)
     alone = [hf.generate([p], greedy)[0][0].tokens.tolist() for p in prompts]
     assert [g[0].tokens.tolist() for g in hf.generate(prompts, greedy)] == alone
     assert [len(c) for c in hf._chunks(prompts, Sampling(n=3, repetition_penalty=1.1))] == [1, 1, 1]
     assert [len(c) for c in hf._chunks(prompts, Sampling(n=3))] == [3]
-    row = 3 * 256 * hf.model.config.vocab_size * 4  # one prompt's scores at max_tokens 256
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(hf_engine, "SCORES_BYTES", 2 * row)
-        assert [len(c) for c in hf._chunks(prompts, Sampling(n=3, max_tokens=256))] == [2, 1]
 
 
 def test_temperature_0_is_greedy_and_a_refused_request_leaves_the_worker_serving(ray_session, worker, hf, tiny_model):
