@@ -27,6 +27,7 @@ cmds = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)
 other = subprocess.run([sys.executable, "-c", "import ray; ray.init(address='auto', namespace='t'); "
                         "print(ray.get(ray.get_actor('n').pid.remote()))"], capture_output=True, text=True)
 print("PIDS", pid, other.stdout.strip().splitlines()[-1:], cmds)
+print("OTHER", repr(other.stderr[-1500:]))
 ray.shutdown()
 """
 
@@ -43,4 +44,4 @@ def test_embedded_ray_starts_no_monitors_no_api_server_and_no_idle_workers(tmp_p
     # the raylet's two agents and the job's actor: no idle worker prestarted beside it
     assert sorted(c.split()[0] for c in cmds if c.startswith("ray::")) == \
         ["ray::DashboardAgent", "ray::Named", "ray::RuntimeEnvAgent"]
-    assert found == [pid]
+    assert found == [pid], next(x for x in out.stdout.splitlines() if x.startswith("OTHER"))
