@@ -8,6 +8,8 @@ import numpy as np
 
 from tandem.rollout.engines.base import Completion, Engine, Sampling
 
+MAX_ROWS = 256  # sequences one generate call holds: vLLM's max_num_seqs on a GPU
+
 
 class HFEngine(Engine):
     def __init__(self, model_path: str, *, dtype: str = "float32", lora=None, seed: int = 0, device: str | None = None):
@@ -48,10 +50,11 @@ class HFEngine(Engine):
     @staticmethod
     def _chunks(prompts, sampling: Sampling) -> list[list[np.ndarray]]:
         """Prompts generated together, left-padded, as TRL's GRPOTrainer does: on a small model a decoding
-        step costs the same for 8 rows as for 128, so one prompt at a time paid it once per prompt. One at a
-        time where padding would change the numbers: a repetition penalty counts the prompt's tokens, pads
-        included."""
-        return [[p] for p in prompts] if sampling.repetition_penalty != 1.0 else [list(prompts)]
+        step costs the same for 8 rows as for 128, so one prompt at a time paid it once per prompt. At most
+        MAX_ROWS rows at once (an evaluation set in one call); one prompt at a time where padding would
+        change the numbers: a repetition penalty counts the prompt's tokens, pads included."""
+        size = 1 if sampling.repetition_penalty != 1.0 else max(1, MAX_ROWS // sampling.n)
+        return [list(prompts[i:i + size]) for i in range(0, len(prompts), size)]
 
     def _generate(self, prompts, sampling: Sampling) -> list[Completion]:
         """Completions of `prompts`, rows in order: prompt 0's n, then prompt 1's, ..."""

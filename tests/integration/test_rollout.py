@@ -91,7 +91,8 @@ def test_transformers_engine_generates_prompts_of_different_lengths_together(hf,
     """fast_inference false generates a batch of prompts in one left-padded `generate`: each completion's
     log-probs are its own prompt's (a pad attended to, or a position shifted by the padding, changes them)
     under the processed distribution (top-k: renormalised over the k most likely tokens), greedy completions
-    are those of the prompt alone; under a repetition penalty, which would count the pads, one at a time."""
+    are those of the prompt alone; under a repetition penalty, which would count the pads, one at a time, and
+    never more than MAX_ROWS rows at once."""
     prompts = [np.arange(3, 3 + n) for n in (4, 19, 9)]
     out = hf.generate(prompts, Sampling(n=3, temperature=0.7, max_tokens=14))
     assert [len(g) for g in out] == [3, 3, 3]
@@ -111,6 +112,7 @@ def test_transformers_engine_generates_prompts_of_different_lengths_together(hf,
     assert [g[0].tokens.tolist() for g in hf.generate(prompts, greedy)] == alone
     assert [len(c) for c in hf._chunks(prompts, Sampling(n=3, repetition_penalty=1.1))] == [1, 1, 1]
     assert [len(c) for c in hf._chunks(prompts, Sampling(n=3))] == [3]
+    assert [len(c) for c in hf._chunks(prompts, Sampling(n=100))] == [2, 1]  # MAX_ROWS 256 a call
 
 
 def test_temperature_0_is_greedy_and_a_refused_request_leaves_the_worker_serving(ray_session, worker, hf, tiny_model):
