@@ -30,7 +30,16 @@ def start_ray(address: str | None, cfg):
         need = (cfg.cluster.num_rollout_workers * cfg.cluster.rollout_resources.num_cpus
                 + cfg.cluster.num_processes * cfg.cluster.learner_resources.num_cpus)
         init_local_ray(max(int(need) + 1, os.cpu_count() or 1), runtime_env=env)
+        out = Path(cfg.logging.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / RAY_ADDRESS_FILE).write_text(ray.get_runtime_context().gcs_address)
     return ray
+
+
+# The embedded Ray's GCS address, in the run directory: `tandem scale` / `status` without --address find the job's
+# own Ray by it. Ray's "auto" connects to any Ray on the machine when there are several (two embedded jobs, a
+# `ray start` cluster beside one), and that one refuses this job's token or holds another job.
+RAY_ADDRESS_FILE = "ray_address"
 
 
 NAMESPACE = "tandem"
@@ -103,14 +112,16 @@ def name_is_free(ray, name: str, patience_s: float = 60.0) -> bool:
 
 
 def connect_controller(output_dir: str, address: str | None):
-    """The Controller of the job running with this run directory, on the cluster at `address`
-    (None: the one on this machine)."""
+    """The Controller of the job running with this run directory, on the cluster at `address` (None: the
+    embedded Ray the run directory records, else the one on this machine)."""
     import ray
 
     from tandem.core.config import JobConfigError
 
     if not ray.is_initialized():
         use_cluster_token()
+        recorded = Path(output_dir) / RAY_ADDRESS_FILE
+        address = address or (recorded.read_text().strip() if recorded.is_file() else None)
         try:
             ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
         except ray.exceptions.AuthenticationError as e:
@@ -225,8 +236,12 @@ def sigterm_as_interrupt():
 def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:
     t_start = time.time()
     ray = start_ray(address, cfg)
-    with sigterm_as_interrupt():  # after ray.init, whose core worker installs a SIGTERM handler of its own
-        return _run_job(cfg, ray, address, out, t_start)
+    try:
+        with sigterm_as_interrupt():  # after ray.init, whose core worker installs a SIGTERM handler of its own
+            return _run_job(cfg, ray, address, out, t_start)
+    finally:
+        if not address:  # the embedded Ray ends with the job
+            (Path(cfg.logging.output_dir) / RAY_ADDRESS_FILE).unlink(missing_ok=True)
 
 
 def _run_job(cfg, ray, address: str | None, out, t_start: float) -> int:

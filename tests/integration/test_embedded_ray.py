@@ -13,26 +13,32 @@ pytestmark = pytest.mark.integration
 SCRIPT = """
 import os, subprocess, sys, psutil, ray
 from tandem.core.config import JobConfig
-from tandem.services.run import start_ray
+from tandem.services.run import NAMESPACE, RAY_ADDRESS_FILE, controller_name, start_ray
 cfg = JobConfig.from_dict({"model": {"path": "m"}, "data": {"path": "d.jsonl"}, "rewards": ["r.py:f"]})
 start_ray(None, cfg)
 @ray.remote(num_cpus=0)
 class Named:
     def pid(self):
         return os.getpid()
-a = Named.options(name="n", namespace="t").remote()
+a = Named.options(name=controller_name(cfg.logging.output_dir), namespace=NAMESPACE).remote()
 pid = ray.get(a.pid.remote())
 cmds = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
-# another process on this machine finds the named actor through GCS, as `tandem scale` / `status` do
-other = subprocess.run([sys.executable, "-c", "import ray; ray.init(address='auto', namespace='t'); "
-                        "print(ray.get(ray.get_actor('n').pid.remote()))"], capture_output=True, text=True)
+recorded = open(os.path.join(cfg.logging.output_dir, RAY_ADDRESS_FILE)).read()
+assert recorded == ray.get_runtime_context().gcs_address, recorded
+# another process on this machine finds the job's actor by its run directory, as `tandem scale` / `status` do
+other = subprocess.run([sys.executable, "-c", "import sys, ray; from tandem.services.run import connect_controller; "
+                        "print(ray.get(connect_controller(sys.argv[1], None)[1].pid.remote()))",
+                        cfg.logging.output_dir], capture_output=True, text=True)
 print("PIDS", pid, other.stdout.strip().splitlines()[-1:], cmds)
 print("OTHER", repr(other.stderr[-1500:]))
 ray.shutdown()
 """
 
 
-def test_embedded_ray_starts_no_monitors_no_api_server_and_no_idle_workers(tmp_path):
+def test_embedded_ray_starts_no_monitors_no_api_server_and_no_idle_workers(tmp_path, ray_session):
+    """Its processes are GCS, the raylet, its two agents and the job's actors. Another process finds the job's
+    actor through the address the run directory records, with another Ray running on the machine (the
+    suite's, whose token is not this job's: Ray's address "auto" picked either, and failed on that one)."""
     out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-2000:]
