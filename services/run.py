@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -13,6 +14,11 @@ import time
 from pathlib import Path
 
 from tandem.core.adapter import ADAPTER_DIR
+
+# The embedded Ray's GCS address, in the run directory: `tandem scale` / `status` without --address find the job's
+# own Ray by it. Ray's "auto" connects to any Ray on the machine when there are several (two embedded jobs, a
+# `ray start` cluster beside one), and that one refuses this job's token or holds another job.
+RAY_ADDRESS_FILE = "ray_address"
 
 
 def start_ray(address: str | None, cfg):
@@ -30,16 +36,11 @@ def start_ray(address: str | None, cfg):
         need = (cfg.cluster.num_rollout_workers * cfg.cluster.rollout_resources.num_cpus
                 + cfg.cluster.num_processes * cfg.cluster.learner_resources.num_cpus)
         init_local_ray(max(int(need) + 1, os.cpu_count() or 1), runtime_env=env)
-        out = Path(cfg.logging.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / RAY_ADDRESS_FILE).write_text(ray.get_runtime_context().gcs_address)
+        recorded = Path(cfg.logging.output_dir) / RAY_ADDRESS_FILE
+        recorded.parent.mkdir(parents=True, exist_ok=True)
+        recorded.write_text(ray.get_runtime_context().gcs_address)
+        atexit.register(recorded.unlink, missing_ok=True)  # the embedded Ray ends with this process
     return ray
-
-
-# The embedded Ray's GCS address, in the run directory: `tandem scale` / `status` without --address find the job's
-# own Ray by it. Ray's "auto" connects to any Ray on the machine when there are several (two embedded jobs, a
-# `ray start` cluster beside one), and that one refuses this job's token or holds another job.
-RAY_ADDRESS_FILE = "ray_address"
 
 
 NAMESPACE = "tandem"
@@ -236,12 +237,8 @@ def sigterm_as_interrupt():
 def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:
     t_start = time.time()
     ray = start_ray(address, cfg)
-    try:
-        with sigterm_as_interrupt():  # after ray.init, whose core worker installs a SIGTERM handler of its own
-            return _run_job(cfg, ray, address, out, t_start)
-    finally:
-        if not address:  # the embedded Ray ends with the job
-            (Path(cfg.logging.output_dir) / RAY_ADDRESS_FILE).unlink(missing_ok=True)
+    with sigterm_as_interrupt():  # after ray.init, whose core worker installs a SIGTERM handler of its own
+        return _run_job(cfg, ray, address, out, t_start)
 
 
 def _run_job(cfg, ray, address: str | None, out, t_start: float) -> int:

@@ -1,6 +1,7 @@
 """The embedded Ray `tandem run` starts holds what one job on one machine needs, and nothing more."""
 
 import ast
+import os
 import subprocess
 import sys
 
@@ -31,6 +32,7 @@ other = subprocess.run([sys.executable, "-c", "import sys, ray; from tandem.serv
                         cfg.logging.output_dir], capture_output=True, text=True)
 print("PIDS", pid, other.stdout.strip().splitlines()[-1:], cmds)
 print("OTHER", repr(other.stderr[-1500:]))
+print("RECORDED", os.path.abspath(os.path.join(cfg.logging.output_dir, RAY_ADDRESS_FILE)))
 ray.shutdown()
 """
 
@@ -51,3 +53,5 @@ def test_embedded_ray_starts_no_monitors_no_api_server_and_no_idle_workers(tmp_p
     assert sorted(c.split()[0] for c in cmds if c.startswith("ray::")) == \
         ["ray::DashboardAgent", "ray::Named", "ray::RuntimeEnvAgent"]
     assert found == [pid], next(x for x in out.stdout.splitlines() if x.startswith("OTHER"))
+    recorded = next(x for x in out.stdout.splitlines() if x.startswith("RECORDED")).split(" ", 1)[1]
+    assert not os.path.exists(recorded)  # gone with the process that held the embedded Ray
