@@ -27,7 +27,8 @@ def _die_with_parent() -> None:
 def supervise(argv: list[str], max_restarts: int, out=sys.stderr) -> int:
     """Runs `tandem run argv` as a child until it ends by itself; -> its exit status."""
     cmd = [sys.executable, "-m", "tandem.services.cli", "run", *argv]
-    env = dict(os.environ, **{SUPERVISED: "1"})
+    # unbuffered: a driver killed by SIGKILL leaves every line it printed (a pipe buffers 8 KB otherwise)
+    env = dict(os.environ, **{SUPERVISED: "1", "PYTHONUNBUFFERED": "1"})
     restarts = 0
     while True:
         # its own session: a terminal's Ctrl-C reaches only us, and we pass on exactly one
