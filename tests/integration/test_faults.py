@@ -131,6 +131,37 @@ def actor_pid(head_pid: int, cls: str) -> int | None:
     return None
 
 
+def start_cluster_run(ray_head, tmp_path: Path, tiny_model: str, reward: str, max_steps: int, cluster: dict):
+    """`tandem run --address` on the token-auth `ray start` head, as the README runs it: 16 prompts, 4
+    completions each, a checkpoint every 2 steps, the reward `reward.py:r` of source `reward`. -> the process,
+    stdout and stderr in one pipe."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    (tmp_path / "reward.py").write_text(reward)
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{a} + {a}"}) + "\n" for a in range(16)))
+    job = {"model": {"path": tiny_model, "dtype": "float32", "lora": {"r": 8, "lora_alpha": 16}},
+           "data": {"path": "data.jsonl"}, "rewards": ["reward.py:r"],  # relative, as in the README
+           "generation": {"max_prompt_length": 64, "max_completion_length": 8},
+           "batch": {"num_generations": 4, "per_device_train_batch_size": 8, "max_steps": max_steps},
+           "optimizer": {"learning_rate": 1e-2}, "cluster": cluster,
+           "checkpoint": {"save_steps": 2, "save_total_limit": None},
+           "logging": {"output_dir": "run", "progress": False}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    return subprocess.Popen([sys.executable, "-m", "tandem.services.cli", "run", "job.yaml", "--address",
+                             ray_head["gcs"]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=tmp_path, env=cluster_env(ray_head))
+
+
+def cluster_env(ray_head) -> dict:
+    """This machine's environment holding the head's token, and nothing else of auth."""
+    env = dict(os.environ, RAY_AUTH_TOKEN=ray_head["token"])
+    env.pop("RAY_AUTH_MODE", None)
+    return env
+
+
 def test_every_death_on_a_ray_start_cluster_is_survived_and_sigterm_saves_within_seconds(ray_head, tmp_path,
                                                                                        tiny_model):
     """`tandem run --address` on a token-auth `ray start` head, as the README runs it. SIGKILL of the rollout
@@ -141,24 +172,10 @@ def test_every_death_on_a_ray_start_cluster_is_survived_and_sigterm_saves_within
     import subprocess
     import sys
 
-    import yaml
-
     slow = tmp_path / "slow"
-    (tmp_path / "slow_reward.py").write_text(f"SLOW = {str(slow)!r}\n" + SLOW_REWARD)
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{a} + {a}"}) + "\n" for a in range(16)))
-    job = {"model": {"path": tiny_model, "dtype": "float32", "lora": {"r": 8, "lora_alpha": 16}},
-           "data": {"path": "data.jsonl"}, "rewards": ["slow_reward.py:r"],  # relative, as in the README
-           "generation": {"max_prompt_length": 64, "max_completion_length": 8},
-           "batch": {"num_generations": 4, "per_device_train_batch_size": 8, "max_steps": 60},
-           "optimizer": {"learning_rate": 1e-2}, "cluster": {"max_restarts": 2},
-           "checkpoint": {"save_steps": 2, "save_total_limit": None},
-           "logging": {"output_dir": "run", "progress": False}}
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    p = start_cluster_run(ray_head, tmp_path, tiny_model, f"SLOW = {str(slow)!r}\n" + SLOW_REWARD, max_steps=60,
+                          cluster={"max_restarts": 2})
     metrics = tmp_path / "run" / "metrics.jsonl"
-    env = dict(os.environ, RAY_AUTH_TOKEN=ray_head["token"])  # the token this machine holds, nothing else
-    env.pop("RAY_AUTH_MODE", None)
-    p = subprocess.Popen([sys.executable, "-m", "tandem.services.cli", "run", "job.yaml", "--address", ray_head["gcs"]],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env)
     text: list[str] = []
     threading.Thread(target=lambda: text.extend(p.stdout), daemon=True).start()
 
@@ -189,7 +206,8 @@ def test_every_death_on_a_ray_start_cluster_is_survived_and_sigterm_saves_within
         slow.write_text("")
         time.sleep(2.0)  # the next cycle's groups are being scored slowly now
         st = subprocess.run([sys.executable, "-m", "tandem.services.cli", "status", "job.yaml", "--address",
-                             ray_head["gcs"]], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+                             ray_head["gcs"]], capture_output=True, text=True, cwd=tmp_path, env=cluster_env(ray_head),
+                            timeout=60)
         t0 = time.time()
         p.send_signal(signal.SIGTERM)
         rc = p.wait(120)
@@ -223,25 +241,8 @@ def test_the_colocated_actors_death_is_the_learners_and_the_job_restarts_from_it
     """vllm_mode colocate: SIGKILL of the one actor holding rollout worker 0 and the learner restarts the job
     from its newest checkpoint (a learner rank's death), which then ends: one metrics line a step, the adapter
     written."""
-    import subprocess
-    import sys
-
-    import yaml
-
-    (tmp_path / "steady_reward.py").write_text(STEADY_REWARD)
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{a} + {a}"}) + "\n" for a in range(16)))
-    job = {"model": {"path": tiny_model, "dtype": "float32", "lora": {"r": 8, "lora_alpha": 16}},
-           "data": {"path": "data.jsonl"}, "rewards": ["steady_reward.py:r"],
-           "generation": {"max_prompt_length": 64, "max_completion_length": 8},
-           "batch": {"num_generations": 4, "per_device_train_batch_size": 8, "max_steps": 8},
-           "optimizer": {"learning_rate": 1e-2}, "cluster": {"vllm_mode": "colocate", "max_restarts": 1},
-           "checkpoint": {"save_steps": 2, "save_total_limit": None},
-           "logging": {"output_dir": "run", "progress": False}}
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    env = dict(os.environ, RAY_AUTH_TOKEN=ray_head["token"])
-    env.pop("RAY_AUTH_MODE", None)
-    p = subprocess.Popen([sys.executable, "-m", "tandem.services.cli", "run", "job.yaml", "--address", ray_head["gcs"]],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env)
+    p = start_cluster_run(ray_head, tmp_path, tiny_model, STEADY_REWARD, max_steps=8,
+                          cluster={"vllm_mode": "colocate", "max_restarts": 1})
     try:
         wait_for(lambda: newest_checkpoint_step(tmp_path / "run") >= 2, "a checkpoint")
         os.kill(wait_for(lambda: actor_pid(ray_head["pid"], "ColocatedWorker"), "the colocated actor"), signal.SIGKILL)
