@@ -54,14 +54,15 @@ def newest_checkpoint_step(run: Path) -> int:
     return best
 
 
-def wait_for(cond, what: str, timeout: float = 240.0):
+def wait_for(cond, what: str, timeout: float = 240.0, log=None):
+    """cond()'s first true value within timeout s; else a failure naming `what`, with the end of log()."""
     end = time.time() + timeout
     while time.time() < end:
         v = cond()
         if v:
             return v
         time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what}" + (f"; the run printed:\n{log()[-4000:]}" if log else ""))
 
 
 def test_errors_inside_the_actors_reach_the_user_as_one_line(ray_session, tmp_path, tiny_model, capsys,
@@ -121,14 +122,16 @@ def descendants(pid: int) -> list[int]:
 
 
 def actor_pid(head_pid: int, cls: str) -> int | None:
-    """The process of a `cls` actor on the cluster (Ray titles an actor's process `ray::<class>`)."""
+    """The process of the newest `cls` actor on the cluster (Ray titles an actor's process `ray::<class>`;
+    one it killed may not have exited yet)."""
+    started = {}
     for pid in descendants(head_pid):
         try:
             if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(f"ray::{cls}".encode()):
-                return pid
+                started[pid] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
         except OSError:
             pass
-    return None
+    return max(started, key=started.get) if started else None
 
 
 def start_cluster_run(ray_head, tmp_path: Path, tiny_model: str, reward: str, max_steps: int, cluster: dict):
@@ -182,27 +185,40 @@ def test_every_death_on_a_ray_start_cluster_is_survived_and_sigterm_saves_within
     def said(what: str) -> bool:
         return what in "".join(text)
 
+    def resumed() -> int:  # restarts whose new controller has resumed and cut the rolled-back metrics lines
+        return "".join(text).count("resumed from checkpoint: ")
+
+    def wait(cond, what: str):  # with what `tandem run` printed; failing at once if it ended first
+        def check():
+            if p.poll() is not None:
+                raise AssertionError(f"tandem run ended (rc {p.returncode}) before {what}:\n{''.join(text)[-4000:]}")
+            return cond()
+        return wait_for(check, what, log=lambda: "".join(text))
+
     def kill(cls: str) -> None:
-        pid = wait_for(lambda: actor_pid(ray_head["pid"], cls), f"a {cls} process")
+        pid = wait(lambda: actor_pid(ray_head["pid"], cls), f"a {cls} process")
         os.kill(pid, signal.SIGKILL)
 
     def driver() -> int | None:  # the supervisor's child
         kids = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
         return int(kids[0]) if kids else None
     try:
-        wait_for(lambda: len(lines(metrics)) >= 2, "step 2")
+        wait(lambda: len(lines(metrics)) >= 2, "step 2")
         kill("RolloutWorker")
         # the replacement is on record in a checkpoint, so the learner's death below cannot roll it back
-        wait_for(lambda: len(lines(metrics)) >= 4 and (s := replaced_at(metrics)) is not None
+        wait(lambda: len(lines(metrics)) >= 4 and (s := replaced_at(metrics)) is not None
                  and newest_checkpoint_step(tmp_path / "run") >= s, "a checkpoint after the worker's replacement")
         kill("Learner")
-        wait_for(lambda: said("restart 1 of 2") and len(lines(metrics)) >= 6, "step 6 after the learner's death")
+        # after the resume: before it, the old controller is still shutting down, and lines past the checkpoint remain
+        wait(lambda: said("restart 1 of 2") and resumed() >= 1 and len(lines(metrics)) >= 6,
+             "step 6 after the learner's death")
         kill("Controller")
-        wait_for(lambda: said("restart 2 of 2") and len(lines(metrics)) >= 8, "step 8 after the controller's death")
+        wait(lambda: said("restart 2 of 2") and resumed() >= 2 and len(lines(metrics)) >= 8,
+             "step 8 after the controller's death")
         first = driver()
         os.kill(first, signal.SIGKILL)
-        wait_for(lambda: said("the driver died of SIGKILL") and driver() not in (None, first)
-                 and len(lines(metrics)) >= 10, "step 10 after the driver's death")
+        wait(lambda: said("the driver died of SIGKILL") and driver() not in (None, first) and resumed() >= 3
+             and len(lines(metrics)) >= 10, "step 10 after the driver's death")
         slow.write_text("")
         time.sleep(2.0)  # the next cycle's groups are being scored slowly now
         st = subprocess.run([sys.executable, "-m", "tandem.services.cli", "status", "job.yaml", "--address",
@@ -255,3 +271,4 @@ def test_the_colocated_actors_death_is_the_learners_and_the_job_restarts_from_it
     steps = [x["step"] for x in lines(tmp_path / "run" / "metrics.jsonl")]
     assert steps == list(range(1, 9)), steps  # the rolled-back steps trained again, their lines cut
     assert (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
+
