@@ -247,13 +247,18 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float) -> int:
     from tandem.services.plot import plot_run, read_metrics
 
     wait_s = RESOURCE_WAIT_S if address else 0.0
-    ctl = start_controller(ray, cfg, wait_s)
-    if cfg.checkpoint.resume:
-        resumed = ray.get(ctl.resume.remote())
-        print(f"resumed from checkpoint: {resumed}" if resumed else
-              f"checkpoint.resume: no checkpoint to resume from in {cfg.checkpoint_dir}; starting at step 0", file=out)
-    total = ray.get(ctl.__ray_call__.remote(lambda self: self.total_cycles))
-    cycle0 = ray.get(ctl.__ray_call__.remote(lambda self: self.cycle))
+    try:
+        ctl = start_controller(ray, cfg, wait_s)
+        if cfg.checkpoint.resume:
+            resumed = ray.get(ctl.resume.remote())
+            print(f"resumed from checkpoint: {resumed}" if resumed else
+                  f"checkpoint.resume: no checkpoint to resume from in {cfg.checkpoint_dir}; starting at step 0",
+                  file=out)
+        total = ray.get(ctl.__ray_call__.remote(lambda self: self.total_cycles))
+        cycle0 = ray.get(ctl.__ray_call__.remote(lambda self: self.cycle))
+    except KeyboardInterrupt:  # nothing trained by this process yet: the actors go with it, the checkpoints stay
+        print("\ninterrupted while starting: no step trained since the newest checkpoint; stopping", file=out)
+        return 130
     bar = tqdm(total=total, initial=cycle0, desc="GRPO", unit="cycle", disable=not cfg.logging.progress, file=out)
     restarts = 0
     try:

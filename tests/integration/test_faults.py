@@ -272,3 +272,21 @@ def test_the_colocated_actors_death_is_the_learners_and_the_job_restarts_from_it
     assert steps == list(range(1, 9)), steps  # the rolled-back steps trained again, their lines cut
     assert (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
 
+
+def test_sigterm_while_the_job_starts_ends_it_in_one_line(ray_head, tmp_path, tiny_model):
+    """SIGTERM (or Ctrl-C) before the first step, here while the controller waits for a node that has the
+    rollout worker's resource: `tandem run` stops at once with rc 130 and a line saying nothing was trained,
+    no traceback."""
+    p = start_cluster_run(ray_head, tmp_path, tiny_model, STEADY_REWARD, max_steps=8,
+                          cluster={"rollout_resources": {"num_cpus": 1, "resources": {"absent": 1}}})
+    try:
+        wait_for(lambda: p.poll() is not None or actor_pid(ray_head["pid"], "Controller"), "the controller")
+        time.sleep(2.0)  # in its wait for a node
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, out[-4000:]
+    assert "interrupted while starting: no step trained since the newest checkpoint; stopping" in out, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
