@@ -1,5 +1,5 @@
 """Deaths the job survives without a person, on a real `ray start` cluster: SIGKILL of a rollout worker,
-the learner, the controller and the driver, then SIGTERM of `tandem run` during a slow cycle; and
+the learner, the controller and the driver, then SIGTERM of `tandem run` during a slow cycle and while it starts; and
 errors inside the actors as one line."""
 
 import json
