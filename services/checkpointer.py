@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -68,11 +69,14 @@ def readable(ckpt: Path) -> str | None:
     return None
 
 
+CHECKPOINT_NAME = re.compile(r"cycle-\d{6,}")  # Checkpointer.path's names: not `.tmp`, not `.refused`
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
     """Checkpoint dirs that finished writing (tandem.json inside, no .tmp suffix), oldest first."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.endswith(".tmp")
+    return sorted(p for p in root.iterdir() if p.is_dir() and CHECKPOINT_NAME.fullmatch(p.name)
                   and (p / "tandem.json").is_file())
 
 
@@ -98,16 +102,19 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
 
     def latest(self) -> Path | None:
-        found = self.resumable()
-        return found[0] if found else None
+        return next((ck for ck, why in self.candidates() if why is None), None)
 
-    def resumable(self) -> list[Path]:
-        """Complete checkpoints, newest first, without the unreadable ones (each named on stdout)."""
-        out = []
-        for ck in reversed(complete_checkpoints(self.root)):
-            why = readable(ck)
-            if why:
-                print(f"tandem: checkpoint {ck.name} cannot be resumed from ({why}); trying an older one", flush=True)
-            else:
-                out.append(ck)
-        return out
+    def candidates(self) -> list[tuple[Path, str | None]]:
+        """Complete checkpoints, newest first, each with why it cannot be resumed from (None: it looks readable)."""
+        return [(ck, readable(ck)) for ck in reversed(complete_checkpoints(self.root))]
+
+    @staticmethod
+    def set_aside(ck: Path) -> Path:
+        """A refused checkpoint newer than the one resumed from, renamed `<name>.refused`: kept for a look, and out
+        of the way of retention and of the save that will reach its cycle again. -> its new path."""
+        dst, n = ck.with_name(ck.name + ".refused"), 1
+        while dst.exists():
+            n += 1
+            dst = ck.with_name(f"{ck.name}.refused-{n}")
+        ck.rename(dst)
+        return dst

@@ -59,16 +59,20 @@ def cmd_run(args) -> int:
 
 
 def cmd_submit(args) -> int:
-    from tandem.services.run import submit_job, uploaded_files
+    from tandem.services.run import submit_job
+    from tandem.services.upload import plan_upload
 
     JobConfig.from_yaml(args.job, args.set)  # the schema only: the files and CUDA are the cluster's
+    upload = None
     if args.working_dir:
-        files = uploaded_files(args.working_dir)
-        shown = ", ".join(f for f, _ in files[:20]) + (f", ... ({len(files) - 20} more)" if len(files) > 20 else "")
-        print(f"uploading {args.working_dir}: {len(files)} files, {sum(n for _, n in files) / 1e6:.1f} MB "
-              f"({shown}); never: .env*, .git, keys; excluded as .gitignore/.rayignore say")
+        upload = plan_upload(args.working_dir, args.allow)
+        print("\n".join(upload.lines()))
+    if args.dry_run:
+        print(f"{args.job}: valid; --dry-run: nothing sent")
+        return 0
     try:
-        client, job_id = submit_job(args.job, args.set, args.address, args.working_dir)
+        client, job_id = submit_job(args.job, args.set, args.address, args.working_dir,
+                                     upload.excludes() if upload else [])
     except TimeoutError as e:
         print(f"tandem submit: the Jobs API at {args.address or 'this machine'} did not take the job: {e}",
               file=sys.stderr)
@@ -179,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     su.add_argument("--working-dir", default=".",
                     help="uploaded and made the job's working directory (default: here); '' uploads nothing")
     su.add_argument("--wait", action="store_true", help="print the job's log until it ends; exit 1 unless it succeeded")
+    su.add_argument("--allow", action="append", default=[], metavar="PATH",
+                    help="upload this file (or folder) even though it looks like a credential (as the list names it)")
+    su.add_argument("--dry-run", action="store_true",
+                    help="validate the job file, print what would be uploaded and held back, send nothing")
     su.set_defaults(fn=cmd_submit)
 
     sc = sub.add_parser("scale", help="change the rollout worker count of a running job")

@@ -82,6 +82,7 @@ class Controller:
         self.pool = None
         self.evaluator = None
         self._publish_latency = 0.0
+        self.skipped: list[tuple] = []  # (checkpoint, why, kept as) of each resume() could not use
 
     @one_at_a_time
     def setup(self, resource_wait_s: float = 0.0) -> dict:
@@ -366,25 +367,35 @@ class Controller:
 
     @one_at_a_time
     def resume(self) -> str | None:
-        """Continue from the newest checkpoint that loads (an unreadable one is named and skipped); the
-        metrics of steps after it are cut from metrics.jsonl. -> its path, or None when there is none."""
-        for ck in self.checkpoints.resumable():
-            meta = json.loads((ck / "tandem.json").read_text())
-            saved = meta["controller"].get("fingerprint")  # none in checkpoints older than fingerprints
-            changed = fingerprint_changes(saved, self.fingerprint) if saved else []
-            if changed and not self.cfg.checkpoint.allow_changed_job:
-                raise JobConfigError(f"checkpoint.resume: {ck} was written by a different job: {'; '.join(changed)}; "
-                                     "allowed: the same data, seed, model and training settings, or "
-                                     "checkpoint.allow_changed_job: true")
-            try:
-                meta = self.learner.load_checkpoint(str(ck))
-            except Exception as e:  # noqa: BLE001 - a part DeepSpeed cannot read: the older one may do
-                print(f"tandem: checkpoint {ck.name} failed to load ({str(e).splitlines()[-1][:200]}); "
-                      "trying an older one", flush=True)
+        """Continue from the newest checkpoint that loads; the metrics of steps after it are cut from metrics.jsonl.
+        Each one skipped is named in `self.skipped` (the driver prints them) and, being newer than the one resumed
+        from, set aside as `<name>.refused`; when checkpoints exist and none loads, the run is refused.
+        -> the path resumed from, or None when there is no checkpoint."""
+        self.skipped = []
+        for ck, why in self.checkpoints.candidates():
+            if why is None:
+                meta = json.loads((ck / "tandem.json").read_text())
+                saved = meta["controller"].get("fingerprint")  # none in checkpoints older than fingerprints
+                changed = fingerprint_changes(saved, self.fingerprint) if saved else []
+                if changed and not self.cfg.checkpoint.allow_changed_job:
+                    raise JobConfigError(f"checkpoint.resume: {ck} was written by a different job: "
+                                         f"{'; '.join(changed)}; allowed: the same data, seed, model and training "
+                                         "settings, or checkpoint.allow_changed_job: true")
+                try:
+                    meta = self.learner.load_checkpoint(str(ck))
+                except Exception as e:  # noqa: BLE001 - a part DeepSpeed cannot read: the older one may do
+                    why = f"failed to load: {(str(e).strip().splitlines() or [type(e).__name__])[-1][:200]}"
+            if why is not None:
+                self.skipped.append((ck, why, None))
                 continue
+            self.skipped = [(ck_, why_, self.checkpoints.set_aside(ck_).name) for ck_, why_, _ in self.skipped]
             self._restore(meta["controller"])
             self.log.cut_back(meta["steps"])
             return str(ck)
+        if self.skipped:
+            raise JobConfigError(f"checkpoint.resume: no checkpoint in {self.checkpoints.root} can be resumed from: " +
+                                 "; ".join(f"{ck.name} ({why})" for ck, why, _ in self.skipped) +
+                                 "; allowed: repair or remove them, or logging.overwrite_output_dir: true to start over")
         self.log.cut_back(0)  # steps a run that died before its first checkpoint logged are trained again
         return None
 

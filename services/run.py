@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import logging
 import os
 import shlex
 import signal
@@ -139,10 +138,11 @@ def connect_controller(output_dir: str, address: str | None):
 
 
 def submit_job(job: str, overrides: list[str], address: str | None, working_dir: str | None,
-               patience_s: float = 180.0) -> tuple:
+               excludes: list[str] = (), patience_s: float = 180.0) -> tuple:
     """`tandem run` of this job file as a Ray job (Jobs API of the cluster's dashboard at `address`;
     None: RAY_ADDRESS or this machine). working_dir is uploaded and becomes the job's working
-    directory, so the job file and its relative paths must lie inside it. A head that has just
+    directory, so the job file and its relative paths must lie inside it, less `excludes` (Ray's runtime_env
+    excludes: the files services/upload.py holds back). A head that has just
     started may refuse (no job agent yet) or not answer a submission: it is retried under one
     submission id (so never started twice) for up to patience_s. -> (client, job id)"""
     import uuid
@@ -150,7 +150,7 @@ def submit_job(job: str, overrides: list[str], address: str | None, working_dir:
     from ray.job_submission import JobSubmissionClient
 
     entry = ["python", "-m", "tandem.services.cli", "run", job, "--address", "auto"]
-    runtime_env = {"working_dir": working_dir, "excludes": NEVER_UPLOADED} if working_dir else None
+    runtime_env = {"working_dir": working_dir, "excludes": list(excludes)} if working_dir else None
     for item in overrides:
         entry += ["--set", item]
     token = cluster_token()  # sent as Ray's own clients send it; ignored by a cluster without token auth
@@ -169,31 +169,6 @@ def submit_job(job: str, overrides: list[str], address: str | None, working_dir:
             if not ("No available agent" in str(e) or isinstance(e, TimeoutError)) or time.time() > give_up:
                 raise
             time.sleep(1)
-
-
-# Secrets and history stay on the submitting machine, whatever .gitignore says (added to Ray's excludes).
-NEVER_UPLOADED = [".env", ".env.*", "**/.env", "**/.env.*", ".git", "**/.git", ".netrc", "*.pem", "id_rsa*",
-                  ".ray/auth_token"]
-
-
-def uploaded_files(working_dir: str) -> list[tuple[str, int]]:
-    """What `tandem submit` uploads from working_dir: (relative path, bytes) of each file, walked with Ray's
-    own packaging rules (its default excludes, .gitignore and .rayignore files, NEVER_UPLOADED)."""
-    from ray._private import ray_constants
-    from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
-
-    root = Path(working_dir).absolute()
-    files = []
-
-    def add(p: Path) -> None:
-        if p.is_file():
-            files.append((str(p.relative_to(root)), p.stat().st_size))
-    quiet = logging.getLogger("tandem.upload")  # Ray's walker logs each ignore file it reads
-    quiet.setLevel(logging.WARNING)
-    _dir_travel(root, [_get_excludes(root, ray_constants.get_runtime_env_default_excludes() + NEVER_UPLOADED)], add,
-                include_gitignore=os.environ.get(ray_constants.RAY_RUNTIME_ENV_IGNORE_GITIGNORE, "0") != "1",
-                logger=quiet)
-    return sorted(files)
 
 
 def answered_within(fn, seconds: float):
@@ -250,10 +225,8 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float) -> int:
     try:
         ctl = start_controller(ray, cfg, wait_s)
         if cfg.checkpoint.resume:
-            resumed = ray.get(ctl.resume.remote())
-            print(f"resumed from checkpoint: {resumed}" if resumed else
-                  f"checkpoint.resume: no checkpoint to resume from in {cfg.checkpoint_dir}; starting at step 0",
-                  file=out)
+            resume_job(ray, ctl, out, none=f"checkpoint.resume: no checkpoint to resume from in {cfg.checkpoint_dir}; "
+                                          "starting at step 0")
         total = ray.get(ctl.__ray_call__.remote(lambda self: self.total_cycles))
         cycle0 = ray.get(ctl.__ray_call__.remote(lambda self: self.cycle))
     except KeyboardInterrupt:  # nothing trained by this process yet: the actors go with it, the checkpoints stay
@@ -349,9 +322,17 @@ def restart_job(ray, cfg, ctl, error, restarts: int, out, resource_wait_s: float
     ray.kill(ctl)  # start_controller waits for its name to be free
     again = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": True})})
     ctl = start_controller(ray, again, resource_wait_s)
-    resumed = ray.get(ctl.resume.remote())
-    print(f"resumed from checkpoint: {resumed or 'none yet (step 0)'}", file=out)
+    resume_job(ray, ctl, out, none="resumed from checkpoint: none yet (step 0)")
     return ctl
+
+
+def resume_job(ray, ctl, out, none: str) -> None:
+    """The controller resumes; each checkpoint it skipped is named here with why (and where it was set aside),
+    then the one resumed from, or `none`. A run whose checkpoints all fail raises (JobConfigError)."""
+    resumed = ray.get(ctl.resume.remote())
+    for ck, why, kept_as in ray.get(ctl.__ray_call__.remote(lambda self: self.skipped)):
+        print(f"tandem: checkpoint {ck.name} skipped: {why}" + (f"; kept as {kept_as}" if kept_as else ""), file=out)
+    print(f"resumed from checkpoint: {resumed}" if resumed else none, file=out)
 
 
 def publish_artifact(checkpoint: Path, out_dir: Path) -> Path | None:

@@ -74,7 +74,7 @@ def ray_head():
     """A second Ray cluster, started as users start one (`ray start --head`, token-authenticated, its
     dashboard on loopback), shared by the tests that need a real cluster. Every port its own: the
     suite's Ray already holds the defaults (a job head talking to the other cluster's agent on 52365
-    never answered). -> {url (Jobs API), gcs (address for --address), metrics_port, token, pid}."""
+    never answered). -> {url (Jobs API), gcs (address for --address), metrics_port, token, pid, temp (its --temp-dir)}."""
     import secrets
     import shutil
     import subprocess
@@ -109,7 +109,7 @@ def ray_head():
             except OSError:  # not up yet
                 time.sleep(1)
         yield {"url": url, "gcs": f"127.0.0.1:{ports['port']}", "metrics_port": ports["metrics-export-port"],
-               "token": token, "pid": head.pid}
+               "token": token, "pid": head.pid, "temp": temp}
     finally:
         head.terminate()  # ray start --block drains, then stops what it started
         head.wait(90)

@@ -5,11 +5,13 @@ import json
 import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.helpers import ROOT
+from tests.helpers.credentials import CREDENTIALS, SECRET_CONTENT, write_tree
 
 pytestmark = pytest.mark.integration
 
@@ -58,6 +60,7 @@ def test_submit_runs_the_job_on_the_cluster(ray_head, tmp_path, tiny_model, caps
     (wd / ".env").write_text("SECRET=1\n")  # never leaves this machine
     (wd / ".git").mkdir()
     (wd / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    write_tree(wd, {**CREDENTIALS, **SECRET_CONTENT})  # what the probe of issue 26 found on the head
     os.chdir(wd)  # the job file and its data as a user would have them (pytest restores nothing: go back)
     try:
         rc = answered_within(lambda: main(["submit", "job.yaml", "--address", ray_head["url"], "--wait", "--set",
@@ -70,6 +73,12 @@ def test_submit_runs_the_job_on_the_cluster(ray_head, tmp_path, tiny_model, caps
     assert rc == 0, printed[-3000:]
     assert "submitted tandem-" in printed and "SUCCEEDED" in printed and "reward: first" in printed
     assert "uploading .: 2 files" in printed and "(data.jsonl, job.yaml)" in printed, printed[:500]
+    assert all(f"  {rel}: " in printed for rel in {**CREDENTIALS, **SECRET_CONTENT}), printed[:3000]
+    # what arrived on the head: the job's working directory as Ray unpacked it there
+    arrived = {str(p.relative_to(d)) for d in Path(ray_head["temp"]).glob("session_*/runtime_resources/"
+                                                                           "working_dir_files/*/")
+               for p in d.rglob("*") if p.is_file()}
+    assert arrived == {"data.jsonl", "job.yaml"}, arrived
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["lr"] == 0.01 for r in rows)
     # the dashboard's series carry the record's values: a snapshot of each step's version holds its reward

@@ -12,6 +12,7 @@ import signal
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from tandem.core.config import JobConfig, JobConfigError
 from tandem.learner.actor import load_rng, save_rng
@@ -19,6 +20,7 @@ from tandem.services.checkpointer import Checkpointer, fingerprint, fingerprint_
 from tandem.services.data import DataError, load_rows
 from tandem.services.run import sigterm_as_interrupt
 from tandem.services.run_log import RunLog
+from tests.helpers.credentials import CREDENTIALS, PRIVATE_KEY, SECRET_CONTENT, write_tree
 
 
 def cfg_of(job_files, **sections):
@@ -130,16 +132,58 @@ def test_a_nan_reward_weight_is_refused(job_files):
 def test_submit_uploads_what_ray_would_minus_secrets_and_history(tmp_path):
     """The list `tandem submit` prints is Ray's packaging walk of the working directory: .gitignore and
     .rayignore honoured, and .env files, .git and keys never uploaded even when nothing ignores them."""
-    from tandem.services.run import uploaded_files
+    from tandem.services.upload import plan_upload
 
     for rel, text in {"job.yaml": "a: 1\n", "data/train.jsonl": "{}\n", "rewards.py": "x = 1\n", ".env": "KEY=1\n",
                       ".env.local": "KEY=2\n", "sub/.env": "KEY=3\n", ".git/config": "[core]\n", "id_rsa": "k",
                       "big.bin": "0" * 10, "scratch/tmp.txt": "t", ".gitignore": "big.bin\n", ".rayignore": "scratch/\n"}.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
-    got = dict(uploaded_files(str(tmp_path)))
+    got = dict(plan_upload(str(tmp_path)).sent)
     assert set(got) == {"job.yaml", "data/train.jsonl", "rewards.py", ".gitignore", ".rayignore"}, got
     assert got["job.yaml"] == 5
+
+
+def test_submit_holds_back_credentials_by_name_and_by_content_and_names_each(tmp_path, capsys):
+    """Every credential file of the probe is held back with its reason (a name rule, or what detect-secrets
+    found); --dry-run prints the list and contacts no cluster (the address is a closed port)."""
+    from tandem.services.cli import main
+
+    write_tree(tmp_path, {**CREDENTIALS, **SECRET_CONTENT, "data.jsonl": '{"prompt": "1 + 1"}\n',
+                          "rewards.py": "def r(completions, **kw):\n    return [1.0] * len(completions)\n"})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({"model": {"path": "m"}, "data": {"path": "data.jsonl"},
+                                                      "rewards": ["rewards.py:r"]}))
+    rc = main(["submit", str(tmp_path / "job.yaml"), "--working-dir", str(tmp_path), "--dry-run",
+               "--address", "http://127.0.0.1:9"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"uploading {tmp_path}: 3 files" in out and "(data.jsonl, job.yaml, rewards.py)" in out, out
+    held = dict(ln.strip().split(": ", 1) for ln in out.splitlines() if ln.startswith("  "))
+    assert set(held) == set(CREDENTIALS) | set(SECRET_CONTENT), held
+    assert "by its name" in held["server.key"] and "SSH key" in held[".ssh/known_hosts"]
+    assert "AWS Access Key on line 1" in held["settings.py"] and "Private Key on line 1" in held["notes/deploy.txt"]
+    assert "Secret Keyword" in held["conf.ini"] and "--dry-run: nothing sent" in out
+
+
+def test_allow_sends_one_held_file_and_the_excludes_are_exactly_the_rest(tmp_path):
+    """--allow PATH sends that file; what Ray is told to exclude is each other held file, anchored and escaped
+    (a name with glob characters excludes itself only), and Ray's own pattern matcher agrees."""
+    from ray._private.thirdparty.pathspec import PathSpec
+
+    from tandem.core.config import JobConfigError
+    from tandem.services.upload import plan_upload
+
+    write_tree(tmp_path, {"a[1].pem": "x", "a1.pem": "x", "settings.py": SECRET_CONTENT["settings.py"],
+                          "keys/server.key": PRIVATE_KEY, "ok.txt": "fine\n"})
+    plan = plan_upload(str(tmp_path), allow=["settings.py"])
+    assert dict(plan.sent).keys() == {"settings.py", "ok.txt"}
+    assert {p for p, _ in plan.held} == {"a[1].pem", "a1.pem", "keys/server.key"}
+    spec = PathSpec.from_lines("gitwildmatch", plan.excludes())
+    assert [p for p in ("a[1].pem", "a1.pem", "keys/server.key", "settings.py", "ok.txt") if spec.match_file(p)] == \
+        ["a[1].pem", "a1.pem", "keys/server.key"]
+    assert dict(plan_upload(str(tmp_path), allow=[str(tmp_path / "keys")]).sent).keys() >= {"keys/server.key"}
+    with pytest.raises(JobConfigError, match=r"--allow '/etc/passwd': not inside the uploaded directory"):
+        plan_upload(str(tmp_path), allow=["/etc/passwd"])
 
 
 def test_lengths_past_the_models_positions_are_refused_naming_both_fields(tmp_path):
