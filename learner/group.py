@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 from tandem.core.compat import learner_env_vars
+from tandem.core.protocol import errors_as_text
 
 
 def _free_port() -> int:
@@ -26,6 +27,7 @@ LEARNER_METHODS = ("placement", "setup", "train", "export_adapter", "save_checkp
                    "trainable_parameters")  # what LearnerGroup calls on a rank
 
 
+@errors_as_text
 class LearnerActor:
     """The Ray actor of one rank: a Learner built in the actor's own process. Defined here, away from the
     Learner's module, so that the process starting the actors (the controller) never imports torch

@@ -23,7 +23,15 @@ def load_policy(cfg):
 
         lc = LoraConfig(r=m.lora.r, lora_alpha=m.lora.lora_alpha, lora_dropout=m.lora.lora_dropout,
                         target_modules=list(m.lora.target_modules), task_type="CAUSAL_LM")
-        model = get_peft_model(model, lc)
+        try:
+            model = get_peft_model(model, lc)
+        except ValueError as e:  # peft: "Target modules {...} not found in the base model"
+            from tandem.core.config import JobConfigError
+
+            names = sorted({n.rsplit(".", 1)[-1] for n, x in model.named_modules() if isinstance(x, torch.nn.Linear)})
+            raise JobConfigError(f"model.lora.target_modules = {list(m.lora.target_modules)}: "
+                                 f"{str(e).strip().splitlines()[0]}; allowed: names of {m.path}'s linear layers, "
+                                 f"e.g. {names}") from None
         if m.gradient_checkpointing:
             model.enable_input_require_grads()
         if cfg.cluster.zero_stage != 3:  # ZeRO-3 gathers lora_A/lora_B in their own forward hooks

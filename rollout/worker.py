@@ -22,7 +22,15 @@ from collections import Counter
 import numpy as np
 
 from tandem.core.compat import rollout_env_vars
-from tandem.core.protocol import PromptItem, RolloutFailure, RolloutGroup, as_torch, group_meta, pack_completions
+from tandem.core.protocol import (
+    PromptItem,
+    RolloutFailure,
+    RolloutGroup,
+    as_torch,
+    errors_as_text,
+    group_meta,
+    pack_completions,
+)
 from tandem.core.shaping import is_informative, overlong_penalty
 from tandem.rollout.engines.base import Sampling
 from tandem.rollout.prompts import completion_views
@@ -61,6 +69,7 @@ class _Request:
         self.submitted = 0.0
 
 
+@errors_as_text
 class RolloutWorker:
     """Lifecycle: `RolloutWorker(cfg, id)` stores; `setup()` imports the reward functions, starts the
     engine and its loop; then `rollout` / `generate` / `set_adapter` calls, any number at once;
@@ -315,6 +324,10 @@ class RolloutWorker:
             with self._lock:
                 self._stats["failures"] += 1
             return RolloutFailure(it.group_id, it.index, str(e), self.worker_id, retryable=False)
+        if np.isnan(rewards).all():  # TRL warns and trains on zeros; a group without any reward teaches nothing
+            return RolloutFailure(it.group_id, it.index, f"reward functions {self.cfg.rewards} returned None for all "
+                                  f"{G} completions of dataset row {it.index}: not trained on", self.worker_id,
+                                  retryable=False, no_reward=True)
         tokens, offsets = pack_completions(ids)
         lps, _ = pack_completions([c.logprobs for c in comps])
         score_s = time.time() - t1

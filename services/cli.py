@@ -34,9 +34,12 @@ def cmd_plan(args) -> int:
 
 def cmd_check(args) -> int:
     from tandem.core.checks import check_inputs
+    from tandem.services.data import check_rows, load_rows
 
     cfg = JobConfig.from_yaml(args.job, args.set)
     check_inputs(cfg)
+    for path in filter(None, (cfg.data.path, cfg.eval.path)):  # what the controller refuses at the start
+        check_rows(load_rows(path), cfg.data.prompt_column, path)
     plan = BatchPlan.from_config(cfg)
     print(f"{args.job}: valid; model, data and {len(cfg.rewards)} reward function(s) found on this machine; "
           f"{plan.unique_prompts} prompts × {plan.num_generations} completions per generation cycle")
@@ -52,10 +55,11 @@ def cmd_run(args) -> int:
     if cfg.cluster.max_restarts > 0 and not os.environ.get(SUPERVISED):  # the driver as a child, restarted;
         return supervise([args.job, *(x for s in args.set for x in ("--set", s)),  # it checks the inputs
                           *(["--address", args.address] if args.address else [])], cfg.cluster.max_restarts)
-    check_inputs(cfg)  # the driver sees the same files as every node (README: shared filesystem)
-    from tandem.services.run import run_job
+    from tandem.services.run import hold_run_dir, run_job
 
-    return run_job(cfg, address=address)
+    with hold_run_dir(cfg.logging.output_dir):  # before the checks: a running job's directory is named as such
+        check_inputs(cfg)  # the driver sees the same files as every node (README: shared filesystem)
+        return run_job(cfg, address=address)
 
 
 def cmd_submit(args) -> int:
@@ -240,9 +244,10 @@ def write_error_log(args, e: BaseException) -> str:
     try:
         path = Path(output_dir_of(args.job, args.set)) / "error.log"
         path.parent.mkdir(parents=True, exist_ok=True)
-    except Exception:  # noqa: BLE001 - no job file, or no run directory to write in
+        path.write_text(text)
+    except Exception:  # noqa: BLE001 - no job file, or a run directory this user cannot write
         path = Path(tempfile.mkstemp(prefix="tandem-error-", suffix=".log")[1])
-    path.write_text(text)
+        path.write_text(text)
     return str(path)
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tandem.core.config import JobConfigError
 from tandem.core.plan import BatchPlan
-from tandem.core.protocol import PromptItem
+from tandem.core.protocol import PromptItem, errors_as_text
 from tandem.services.checkpointer import Checkpointer, fingerprint, fingerprint_changes
 from tandem.services.data import check_rows, load_rows
 from tandem.services.epoch_record import EpochRecord
@@ -54,6 +54,7 @@ class CycleInterrupted(Exception):
     """The driver asked the cycle to stop (Ctrl-C, SIGTERM): what it gathered stays pending."""
 
 
+@errors_as_text
 class Controller:
     """Lifecycle: `Controller(cfg, own_process)` stores the job (own_process: a Ray actor of its own, which
     tokenises without importing torch); `setup()` reads and tokenises the data and starts the
@@ -79,10 +80,11 @@ class Controller:
         self.failed: list[dict] = []
         self._filler: list = []  # this batch's filtered groups, to fill it when the oversampling bound is hit
         self._sampled = 0  # prompts handed out for the batch being gathered
-        self.pool = None
+        self._no_reward_run = 0  # groups in a row without any reward: a cycle's worth stops the run
+        self.pool = self.learner = None
         self.evaluator = None
         self._publish_latency = 0.0
-        self.skipped: list[tuple] = []  # (checkpoint, why, kept as) of each resume() could not use
+        self.notes: list[str] = []  # what resume() passed over (checkpoints, a cut metrics line), for the terminal
 
     @one_at_a_time
     def setup(self, resource_wait_s: float = 0.0) -> dict:
@@ -249,6 +251,7 @@ class Controller:
 
     def _accept(self, it: PromptItem, meta: dict, ref) -> None:
         if not meta.get("failure"):
+            self._no_reward_run = 0
             m = dict(meta, index=it.index, epoch=it.epoch)
             if self.cfg.grpo.dynamic_sampling and not meta.get("informative", True):
                 self.counters["groups_filtered"] += 1
@@ -256,13 +259,27 @@ class Controller:
             else:
                 self.buffer.add(m, ref)
             return
+        if meta.get("no_reward"):  # the functions' answer, not a failure: recorded at once, never retried
+            self.counters["groups_no_reward"] += 1
+            self._record_failed(it, meta["failure"], "no_reward")
+            self._no_reward_run += 1
+            if self._no_reward_run >= self.plan.unique_prompts:
+                raise JobConfigError(
+                    f"rewards = {self.cfg.rewards}: returned None for every completion of the last "
+                    f"{self._no_reward_run} prompts, a whole generation cycle: nothing to train on (each recorded in "
+                    f"{self.out / 'failed_prompts.jsonl'}); allowed: reward functions that return a number for at "
+                    "least some completions (None skips a sample)")
+            return
         self.counters["reward_failures"] += 1
         if not self.source.retry(it.index, it.epoch):
-            self.failed.append({"index": it.index, "epoch": it.epoch, "message": meta["failure"]})
-            with open(self.out / "failed_prompts.jsonl", "a") as f:
-                f.write(json.dumps(self.failed[-1]) + "\n")
-            if len(self.failed) > max(4, len(self.table) // 4):
+            self._record_failed(it, meta["failure"], "reward_error")
+            if sum(f.get("reason") != "no_reward" for f in self.failed) > max(4, len(self.table) // 4):
                 raise RuntimeError(f"{len(self.failed)} prompts failed permanently; last: {meta['failure']}")
+
+    def _record_failed(self, it: PromptItem, message: str, reason: str) -> None:
+        self.failed.append({"index": it.index, "epoch": it.epoch, "reason": reason, "message": message})
+        with open(self.out / "failed_prompts.jsonl", "a") as f:
+            f.write(json.dumps(self.failed[-1]) + "\n")
 
     def _record_filtered(self, m: dict) -> None:
         self.filtered_record.add(m["epoch"], m["index"])
@@ -368,10 +385,10 @@ class Controller:
     @one_at_a_time
     def resume(self) -> str | None:
         """Continue from the newest checkpoint that loads; the metrics of steps after it are cut from metrics.jsonl.
-        Each one skipped is named in `self.skipped` (the driver prints them) and, being newer than the one resumed
-        from, set aside as `<name>.refused`; when checkpoints exist and none loads, the run is refused.
-        -> the path resumed from, or None when there is no checkpoint."""
-        self.skipped = []
+        Each checkpoint skipped (newer than the one resumed from) is set aside as `<name>.refused` and named in
+        `self.notes`, as is a metrics line a crash cut (the driver prints them); when checkpoints exist and none
+        loads, the run is refused. -> the path resumed from, or None when there is no checkpoint."""
+        skipped = []
         for ck, why in self.checkpoints.candidates():
             if why is None:
                 meta = json.loads((ck / "tandem.json").read_text())
@@ -386,17 +403,20 @@ class Controller:
                 except Exception as e:  # noqa: BLE001 - a part DeepSpeed cannot read: the older one may do
                     why = f"failed to load: {(str(e).strip().splitlines() or [type(e).__name__])[-1][:200]}"
             if why is not None:
-                self.skipped.append((ck, why, None))
+                skipped.append((ck, why))
                 continue
-            self.skipped = [(ck_, why_, self.checkpoints.set_aside(ck_).name) for ck_, why_, _ in self.skipped]
+            self.notes = [f"checkpoint {c.name} skipped: {w}; kept as {self.checkpoints.set_aside(c).name}"
+                          for c, w in skipped]
             self._restore(meta["controller"])
             self.log.cut_back(meta["steps"])
+            self.notes += self.log.cut
             return str(ck)
-        if self.skipped:
+        if skipped:
             raise JobConfigError(f"checkpoint.resume: no checkpoint in {self.checkpoints.root} can be resumed from: " +
-                                 "; ".join(f"{ck.name} ({why})" for ck, why, _ in self.skipped) +
+                                 "; ".join(f"{ck.name} ({why})" for ck, why in skipped) +
                                  "; allowed: repair or remove them, or logging.overwrite_output_dir: true to start over")
         self.log.cut_back(0)  # steps a run that died before its first checkpoint logged are trained again
+        self.notes = self.log.cut
         return None
 
     def _restore(self, st: dict) -> None:
@@ -424,4 +444,5 @@ class Controller:
             self.pool.shutdown()
         if self.log.trackers is not None:
             self.log.trackers.close()
-        self.learner.shutdown()
+        if self.learner is not None:
+            self.learner.shutdown()

@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tandem.core.config import JobConfigError
 
-class DataError(ValueError):
-    pass
+
+class DataError(JobConfigError):
+    """A data file (data.path, eval.path) that cannot be trained on: `tandem` prints it in one line."""
 
 
 def load_rows(path: str) -> list[dict[str, Any]]:
@@ -79,3 +81,16 @@ def check_rows(rows: list[dict], prompt_column: str, path: str) -> None:
         if not isinstance(r, dict) or prompt_column not in r:
             raise DataError(f"{path}: row {i} has no column {prompt_column!r} (data.prompt_column); "
                             f"columns: {sorted(r) if isinstance(r, dict) else type(r).__name__}")
+        if blank(r[prompt_column]):
+            raise DataError(f"{path}: row {i}: the prompt ({prompt_column!r}) is {r[prompt_column]!r}, empty or "
+                            "whitespace only; allowed: a prompt with text (remove the row)")
+
+
+def blank(prompt: Any) -> bool:
+    """A text prompt of whitespace only, or chat messages whose every content is (a model given nothing to
+    answer; the chat template's own tokens would hide it from the tokenizer's empty check)."""
+    if isinstance(prompt, str):
+        return not prompt.strip()
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        return all(isinstance(m.get("content"), str) and not m["content"].strip() for m in prompt)
+    return False

@@ -8,7 +8,14 @@ from pathlib import Path
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The lines of metrics.jsonl, less one a crash cut short (the resume that follows names and drops it)."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
 
 
 def plot_run(metrics_path: str | Path, out_png: str | Path) -> Path:

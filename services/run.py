@@ -30,6 +30,7 @@ def start_ray(address: str | None, cfg):
     env = {"env_vars": job_env_vars(os.getcwd())}
     if address:
         use_cluster_token()
+        refuse_a_wrong_token(address)
         ray.init(address=address, runtime_env=env, log_to_driver=False)
     else:
         need = (cfg.cluster.num_rollout_workers * cfg.cluster.rollout_resources.num_cpus
@@ -64,16 +65,43 @@ def use_cluster_token() -> None:
         _enable_token_auth()
 
 
+def refuse_a_wrong_token(address: str) -> None:
+    """A GCS at host:port that refuses this machine's token is named as such now: ray.init retries for 20 s,
+    logging a warning a second, then reports no cluster at all. One GetClusterId call, Ray's own first call,
+    with the token in the header Ray's clients send (AuthenticationTokenLoader.get_token_for_http_header)."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    from tandem.core.config import JobConfigError
+
+    if address in ("auto", "local") or "://" in address:
+        return  # found by Ray itself, or Ray Client: nothing to ask here
+    token = cluster_token()
+    with grpc.insecure_channel(address) as channel:
+        try:
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(), timeout=5,
+                metadata=[("authorization", f"Bearer {token}")] if token else [])
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAUTHENTICATED:
+                return  # not up yet, or not there: ray.init waits for it and says so
+            held = "refused this machine's token" if token else "needs a token and this machine holds none"
+            raise JobConfigError(f"the Ray cluster at {address} {held} ({e.details()}); allowed: its token in "
+                                 "RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names, or ~/.ray/auth_token "
+                                 "(`ray get-auth-token` on the head)") from None
+
+
 def controller_name(output_dir: str) -> str:
     """A running job's Controller is a named actor: `tandem scale` and `tandem status` find it by the
     job's run directory (two jobs cannot share one)."""
     return "controller:" + str(Path(output_dir).resolve())
 
 
-def start_controller(ray, cfg, resource_wait_s: float = 0.0):
+def start_controller(ray, cfg, resource_wait_s: float = 0.0, out=sys.stdout):
     """The Controller actor, named after the run directory; two threads, so that `scale` and `status`
     are answered while a cycle runs. resource_wait_s: how long a request no node has may wait for an
-    autoscaler (0 on the embedded Ray: no node will join it)."""
+    autoscaler (0 on the embedded Ray: no node will join it); meanwhile what it waits for is printed every
+    WAIT_REPORT_S."""
     from tandem.core.config import JobConfigError
     from tandem.services.controller import Controller
 
@@ -84,11 +112,38 @@ def start_controller(ray, cfg, resource_wait_s: float = 0.0):
     ctl = ray.remote(num_cpus=0, max_concurrency=2)(Controller).options(
         name=name, namespace=NAMESPACE).remote(cfg, own_process=True)
     try:  # waited for: a threaded actor does not keep its calls in order
-        ray.get(ctl.setup.remote(resource_wait_s))
+        wait_reporting(ray, cfg, ctl.setup.remote(resource_wait_s), resource_wait_s, out)
+    except Exception:
+        stop_controller(ray, ctl)  # what its setup started (engines, reward processes) goes first
+        raise
     except BaseException:
-        ray.kill(ctl)  # frees the name
+        ray.kill(ctl)  # frees the name (an interrupted setup still holds the controller: no shutdown call)
         raise
     return ctl
+
+
+def stop_controller(ray, ctl) -> None:
+    """A controller's actors stopped in order (engines first: their shared memory, reward processes and adapter
+    files go with them; a killed actor leaves those behind), then the controller itself, whose name is freed."""
+    with contextlib.suppress(Exception):  # a dead controller has nothing left to stop
+        ray.get(ctl.shutdown.remote(), timeout=60)
+    ray.kill(ctl)
+
+
+WAIT_REPORT_S = 10.0
+
+
+def wait_reporting(ray, cfg, ref, wait_s: float, out) -> None:
+    """ray.get(ref) of the controller's setup; every WAIT_REPORT_S while a role's request fits no node (the
+    setup waits up to wait_s for an autoscaler to add one), one line saying what it waits for."""
+    from tandem.core.checks import resource_errors
+
+    t0 = time.time()
+    while not ray.wait([ref], timeout=WAIT_REPORT_S)[0]:
+        if errors := resource_errors(cfg, ray.nodes()):
+            print(f"tandem: waiting for a node ({time.time() - t0:.0f} s of {wait_s:.0f}): " + "; ".join(errors),
+                  file=out, flush=True)
+    ray.get(ref)
 
 
 def name_is_free(ray, name: str, patience_s: float = 60.0) -> bool:
@@ -122,6 +177,8 @@ def connect_controller(output_dir: str, address: str | None):
         use_cluster_token()
         recorded = Path(output_dir) / RAY_ADDRESS_FILE
         address = address or (recorded.read_text().strip() if recorded.is_file() else None)
+        if address:
+            refuse_a_wrong_token(address)
         try:
             ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
         except ray.exceptions.AuthenticationError as e:
@@ -209,6 +266,41 @@ def sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+LOCK_FILE = ".tandem.lock"
+
+
+@contextlib.contextmanager
+def hold_run_dir(output_dir: str):
+    """The run directory for this driver alone while it runs: an flock on <output_dir>/.tandem.lock (released by
+    the kernel when the process dies, so a restarted driver takes it again). A second `tandem run` into it is
+    refused in one line, before it starts a Ray or clears the directory; so is a directory it cannot write."""
+    import fcntl
+    import socket
+
+    from tandem.core.checks import unwritable
+    from tandem.core.config import JobConfigError
+
+    if why := unwritable(output_dir):
+        raise JobConfigError(why)
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    path = Path(output_dir) / LOCK_FILE
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise JobConfigError(f"logging.output_dir = {output_dir!r}: a job is already running in it "
+                                 f"({f.read().strip() or 'its lock is held'}); allowed: another directory, or the "
+                                 "same one once that job has ended (`tandem status` shows it)") from None
+        f.truncate(0)
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:
     t_start = time.time()
     ray = start_ray(address, cfg)
@@ -223,7 +315,7 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float) -> int:
 
     wait_s = RESOURCE_WAIT_S if address else 0.0
     try:
-        ctl = start_controller(ray, cfg, wait_s)
+        ctl = start_controller(ray, cfg, wait_s, out)
         if cfg.checkpoint.resume:
             resume_job(ray, ctl, out, none=f"checkpoint.resume: no checkpoint to resume from in {cfg.checkpoint_dir}; "
                                           "starting at step 0")
@@ -259,17 +351,21 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float) -> int:
         path = ray.get(ctl.save_checkpoint.remote())
         print(f"checkpoint: {path} (resume with --set checkpoint.resume=true)", file=out)
         return 130
+    except Exception:  # the job's own error: its actors are stopped in order before the driver reports it
+        bar.close()
+        stop_controller(ray, ctl)
+        raise
     bar.close()
     path, artifact = None, None
     if cfg.checkpoint.save_final:
         path = ray.get(ctl.save_checkpoint.remote())
         artifact = publish_artifact(Path(path), Path(cfg.logging.output_dir))
-    ray.get(ctl.shutdown.remote())
-    ray.kill(ctl)  # frees its name
+    stop_controller(ray, ctl)
     out_dir = Path(cfg.logging.output_dir)
     png = plot_run(out_dir / "metrics.jsonl", out_dir / "reward.png")
     lines = read_metrics(out_dir / "metrics.jsonl")
     rows = [r for r in lines if "reward" in r]  # training steps
+    trained = max((r["step"] for r in rows), default=0)  # a line a crash cut is gone, its step trained all the same
     k = min(10, max(len(rows) // 2, 1))
     r0 = sum(r["reward"] for r in rows[:k]) / k
     r1 = sum(r["reward"] for r in rows[-k:]) / k
@@ -279,7 +375,8 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float) -> int:
         shown = evals if len(evals) <= 6 else evals[:1] + evals[-5:]
         print("eval reward: " + ", ".join(f"step {s} {v:.3f}" for s, v in shown) +
               f"  (completions: {out_dir / 'eval'})", file=out)
-    print(f"steps: {len(rows)}, wall: {time.time() - t_start:.0f} s", file=out)
+    print(f"steps: {trained}" + (f" ({trained - len(rows)} without a metrics line: named above)" if len(rows) < trained
+                                 else "") + f", wall: {time.time() - t_start:.0f} s", file=out)
     print(f"metrics: {out_dir / 'metrics.jsonl'}  plot: {png}  checkpoint: {path}", file=out)
     if artifact is not None and artifact.name == ADAPTER_DIR:
         print(f"adapter: {artifact} (PEFT format): PeftModel.from_pretrained(base, {str(artifact)!r}), vLLM "
@@ -301,11 +398,12 @@ def root_cause(e: BaseException) -> BaseException:
 def one_line(e: BaseException) -> str:
     """An error as the one line `tandem: ...` prints: its root cause's type and first line."""
     from tandem.core.config import JobConfigError
+    from tandem.core.protocol import ActorError
 
     c = root_cause(e)
     lines = [x for x in str(c).strip().splitlines() if x.strip()]
     msg = lines[0] if lines else ""
-    return msg if isinstance(c, JobConfigError) else f"{type(c).__name__}: {msg}"
+    return msg if isinstance(c, (JobConfigError, ActorError)) else f"{type(c).__name__}: {msg}"
 
 
 def restart_job(ray, cfg, ctl, error, restarts: int, out, resource_wait_s: float = 0.0):
@@ -317,21 +415,20 @@ def restart_job(ray, cfg, ctl, error, restarts: int, out, resource_wait_s: float
         raise RuntimeError(f"the job died {restarts} times (cluster.max_restarts = {cfg.cluster.max_restarts}); "
                            f"last: {reason}") from error
     print(f"tandem: {reason}; restart {restarts} of {cfg.cluster.max_restarts} from the newest checkpoint", file=out)
-    with contextlib.suppress(Exception):
-        ray.get(ctl.shutdown.remote(), timeout=60)  # a live controller stops its actors (engines first)
-    ray.kill(ctl)  # start_controller waits for its name to be free
+    stop_controller(ray, ctl)  # start_controller waits for its name to be free
     again = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": True})})
-    ctl = start_controller(ray, again, resource_wait_s)
+    ctl = start_controller(ray, again, resource_wait_s, out)
     resume_job(ray, ctl, out, none="resumed from checkpoint: none yet (step 0)")
     return ctl
 
 
 def resume_job(ray, ctl, out, none: str) -> None:
-    """The controller resumes; each checkpoint it skipped is named here with why (and where it was set aside),
-    then the one resumed from, or `none`. A run whose checkpoints all fail raises (JobConfigError)."""
+    """The controller resumes; what it passed over (a checkpoint it skipped, with why and where it was set aside; a
+    metrics line a crash cut) is named here, then the one resumed from, or `none`. A run whose checkpoints all fail
+    raises (JobConfigError)."""
     resumed = ray.get(ctl.resume.remote())
-    for ck, why, kept_as in ray.get(ctl.__ray_call__.remote(lambda self: self.skipped)):
-        print(f"tandem: checkpoint {ck.name} skipped: {why}" + (f"; kept as {kept_as}" if kept_as else ""), file=out)
+    for note in ray.get(ctl.__ray_call__.remote(lambda self: self.notes)):
+        print(f"tandem: {note}", file=out)
     print(f"resumed from checkpoint: {resumed}" if resumed else none, file=out)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -49,25 +50,29 @@ class RunLog:
         self._gauges: dict = {}
         self._export_failed = False
         self._flat = 0  # steps in a row whose every group had zero reward variance
+        self.cut: list[str] = []  # the lines a crash cut short that the last cut_back dropped
 
     def cut_back(self, step: int) -> int:
         """On resume: lines of steps after the checkpoint's are dropped (they are trained again), and so is a
-        line a crash cut short. -> lines dropped."""
+        line a crash cut short, each of those named in `self.cut` (the terminal shows it). -> lines dropped."""
+        self.cut = []
         if not self.path.is_file():
             return 0
-        keep, dropped = [], 0
-        for x in self.path.read_text().splitlines():
+        lines, keep = self.path.read_text().splitlines(), []
+        for n, x in enumerate(lines, 1):
             try:
-                ok = json.loads(x).get("step", 0) <= step
+                if json.loads(x).get("step", 0) <= step:
+                    keep.append(x)
             except ValueError:
-                ok = False
-            if ok:
-                keep.append(x)
-            dropped += not ok
+                if x.strip():
+                    s = step_of(x)
+                    self.cut.append(f"{self.path} line {n} was cut short (a crash while writing it) and is dropped: "
+                                    f"{x[:60]!r}" + ("" if s is None or s > step else
+                                                     f"; step {s} was trained and keeps no metrics line"))
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(x + "\n" for x in keep))
         tmp.replace(self.path)
-        return dropped
+        return len(lines) - len(keep)
 
     def has_step(self, step: int) -> bool:
         if not self.path.is_file():
@@ -104,3 +109,9 @@ class RunLog:
                 self._export_failed = True
                 print(f"tandem: the Ray metrics of step {steps[-1].get('step')} could not be exported "
                       f"({type(e).__name__}: {e}); metrics.jsonl has them", flush=True)
+
+
+def step_of(line: str) -> int | None:
+    """The step number at the start of a metrics line, even a cut one ('{"step": 7, "re' -> 7)."""
+    m = re.match(r'\s*\{\s*"step":\s*(\d+)', line)
+    return int(m.group(1)) if m else None

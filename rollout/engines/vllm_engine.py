@@ -147,8 +147,7 @@ class VLLMEngine(Engine):
         self.llm = LLM(**kw)
         # Every version's LoRARequest names this directory: its adapter_config.json is what vLLM reads from
         # disk (the weights come staged from memory: 15 ms of writing and the reading saved per publish).
-        self._adapter_root = Path(adapter_dir or tempfile.mkdtemp(prefix="tandem-adapters-",
-                                                                  dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+        self._adapter_root = Path(adapter_dir or adapter_scratch_dir())
         if lora is not None and not self.serves_one_version:
             self._adapter_root.mkdir(parents=True, exist_ok=True)
             (self._adapter_root / "adapter_config.json").write_text(json.dumps(peft_config(lora, model_path)))
@@ -252,3 +251,26 @@ class VLLMEngine(Engine):
             self.llm.llm_engine.engine_core.shutdown()
         except Exception:  # noqa: BLE001 - best effort at teardown
             pass
+
+
+def adapter_scratch_dir() -> str:
+    """A directory of this process for the adapter_config.json vLLM reads, in /dev/shm where there is one. Named
+    after the process: those of processes no longer alive (a worker killed before its close) are removed here."""
+    import glob
+
+    parent = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    for old in glob.glob(os.path.join(parent, "tandem-adapters-*-*")):
+        pid = os.path.basename(old).split("-")[2]
+        if pid.isdigit() and not alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"tandem-adapters-{os.getpid()}-", dir=parent)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        pass
+    return True

@@ -164,11 +164,29 @@ def run_dir_in_use(cfg: JobConfig) -> str | None:
     return str(done[-1].parent) if done else None
 
 
+def unwritable(output_dir: str) -> str | None:
+    """Why the run directory cannot be written or made (a read-only mount, no permission), or None. Tried with a
+    temporary file in it, or in its nearest existing parent when it is still to be made: nothing is left behind."""
+    import tempfile
+
+    out = Path(output_dir).absolute()
+    if out.exists() and not out.is_dir():
+        return f"logging.output_dir = {str(out)!r}: a file, not a directory"
+    here = next(p for p in (out, *out.parents) if p.exists())
+    try:
+        with tempfile.TemporaryFile(dir=here):
+            pass
+    except OSError as e:
+        return (f"logging.output_dir = {output_dir!r}: cannot write {'there' if here == out else f'in {str(here)!r}'} "
+                f"({type(e).__name__}: {e.strerror or e}); allowed: a directory this user can create and write")
+    return None
+
+
 def run_dir_error(cfg: JobConfig) -> str | None:
     """A fresh run never mixes with an earlier one: it resumes it or is told to overwrite it."""
     out = Path(cfg.logging.output_dir)
-    if out.exists() and not out.is_dir():
-        return f"logging.output_dir = {str(out)!r}: a file, not a directory"
+    if why := unwritable(str(out)):
+        return why
     used = run_dir_in_use(cfg)
     if used and not (cfg.checkpoint.resume or cfg.logging.overwrite_output_dir):
         return (f"logging.output_dir = {str(out)!r}: holds an earlier run ({used}); allowed: "

@@ -106,6 +106,14 @@ class BatchConfig(_Section):
     )
     num_generations: int = Field(8, ge=2, description="completions per prompt (the group); 2 warns")
     max_steps: int = Field(-1, ge=-1, description="optimizer steps to run; -1 = num_train_epochs over the data")
+
+    @field_validator("max_steps")
+    @classmethod
+    def _trains_something(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("batch.max_steps = 0: trains nothing; allowed: -1 (num_train_epochs over the data) or a "
+                             "number of optimizer steps >= 1")
+        return v
     num_train_epochs: float = Field(3.0, gt=0, description="passes over the prompts when max_steps = -1")
 
 

@@ -66,6 +66,7 @@ class RolloutFailure:
     message: str  # names the function and the dataset row
     worker: int = -1
     retryable: bool = True
+    no_reward: bool = False  # every reward function returned None for every completion: nothing to train on
 
 
 def pack_completions(completions: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -79,7 +80,7 @@ def group_meta(r: RolloutGroup | RolloutFailure, informative: bool = True) -> di
     """The few numbers the controller needs about a group without fetching its payload; `informative`:
     its rewards differ (tandem.core.shaping.is_informative), for dynamic sampling."""
     if isinstance(r, RolloutFailure):
-        return {"failure": r.message}
+        return {"failure": r.message, "no_reward": r.no_reward}
     return {"version": r.version, "tokens": int(len(r.tokens)), "group_id": r.group_id, "informative": informative}
 
 
@@ -119,3 +120,47 @@ class WeightsPayload:
 def as_torch(tensors) -> dict:
     """A WeightsPayload's tensors; a state dict of torch tensors as it is."""
     return tensors.to_torch() if isinstance(tensors, WeightsPayload) else tensors
+
+
+class ActorError(RuntimeError):
+    """An error raised inside an actor whose object would not reach the caller (its class does not unpickle in
+    another process, as peft's NoMatchingPeftModuleError; Ray then says only "Failed to deserialize
+    exception"): its type, message and traceback travel as text. The first line is what `tandem` prints."""
+
+
+def carried(e: BaseException) -> BaseException:
+    """e itself when it survives a pickle round trip (what Ray does to it), else an ActorError of its text."""
+    import pickle
+    import traceback
+
+    try:
+        from ray import cloudpickle as dumper  # what Ray pickles an error with (inside an actor: always there)
+    except ImportError:
+        dumper = pickle
+    try:
+        pickle.loads(dumper.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - any failure to carry it is the case handled
+        lines = [x for x in str(e).strip().splitlines() if x.strip()]
+        return ActorError(f"{type(e).__name__}: {lines[0] if lines else ''}\n\n" + "".join(traceback.format_exception(e)))
+
+
+def errors_as_text(cls):
+    """Class decorator for an actor: every public method's error reaches the caller (carried)."""
+    import functools
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                c = carried(e)
+                if c is e:
+                    raise
+                raise c from None
+        return call
+    for name, fn in list(vars(cls).items()):
+        if callable(fn) and not name.startswith("_"):
+            setattr(cls, name, wrap(fn))
+    return cls

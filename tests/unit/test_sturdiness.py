@@ -45,7 +45,7 @@ def test_fingerprint_changes_with_what_decides_training_and_not_with_what_may_ch
     assert "data content" in fingerprint_changes(base, fingerprint(cfg_of(job_files), 8))[0]
 
 
-def test_an_unreadable_newest_checkpoint_is_named_and_an_older_one_used(job_files, tmp_path, capsys):
+def test_an_unreadable_newest_checkpoint_is_named_and_an_older_one_used(job_files, tmp_path):
     root = tmp_path / "ck"
     cfg = cfg_of(job_files, checkpoint={"dir": str(root)})
     for name in ("cycle-000002", "cycle-000004", "cycle-000006"):
@@ -55,15 +55,23 @@ def test_an_unreadable_newest_checkpoint_is_named_and_an_older_one_used(job_file
     (root / "cycle-000006" / "tandem.json").write_text('{"version": 6, "ste')  # cut by a crash
     (root / "cycle-000004" / "rng_rank0.safetensors").unlink()
     assert Checkpointer(cfg).latest() == root / "cycle-000002"
-    out = capsys.readouterr().out
+    out = " ".join(f"{ck.name}: {why}" for ck, why in Checkpointer(cfg).candidates())  # the resume prints these
     assert "cycle-000006/tandem.json" in out and "cycle-000004/rng_rank0.safetensors: missing" in out
+    aside = Checkpointer.set_aside(root / "cycle-000006")  # out of retention's and the next save's way
+    assert aside.name == "cycle-000006.refused" and Checkpointer(cfg).candidates()[0][0].name == "cycle-000004"
+    (root / "cycle-000006").mkdir()
+    assert Checkpointer.set_aside(root / "cycle-000006").name == "cycle-000006.refused-2"
 
 
 def test_resume_cuts_metrics_back_to_the_checkpoint_and_drops_a_cut_line(tmp_path):
     p = tmp_path / "metrics.jsonl"
     p.write_text("".join(json.dumps({"step": s, "reward": 0.1}) + "\n" for s in range(1, 7)) + '{"step": 7, "re')
-    assert RunLog(p).cut_back(4) == 3
+    log = RunLog(p)
+    assert log.cut_back(4) == 3
+    assert len(log.cut) == 1 and "metrics.jsonl line 7 was cut short" in log.cut[0], log.cut
     assert [json.loads(x)["step"] for x in p.read_text().splitlines()] == [1, 2, 3, 4]
+    p.write_text(p.read_text() + '{"step": 5, "re\n{"step": 6, "reward": 0.1}\n')  # a line cut, then a resume at 6
+    assert log.cut_back(6) == 1 and "step 5 was trained and keeps no metrics line" in log.cut[0], log.cut
 
 
 def test_rng_states_round_trip_and_a_planted_pickle_is_refused_without_running(tmp_path):
