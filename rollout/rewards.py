@@ -138,7 +138,17 @@ class IsolatedRewards:
         raise AssertionError("unreachable")
 
     def close(self) -> None:
+        """The child processes stopped and the pool's queues released now: their POSIX semaphores are unlinked
+        when the queues are collected, and an actor killed right after its shutdown never gets there (each
+        left one sem.mp-* in /dev/shm per queue lock)."""
+        import gc
+
         with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False, cancel_futures=True)
-                self._pool = None
+            pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        for proc in list(getattr(pool, "_processes", {}).values()):
+            proc.kill()  # a reward still running is abandoned with the worker
+        pool.shutdown(wait=True, cancel_futures=True)
+        del pool
+        gc.collect()

@@ -1,20 +1,16 @@
 """RolloutWorker: a Ray actor holding one engine that it keeps full.
 
-One thread (the engine loop) owns the engine: between engine steps it adds the prompts that have
-arrived and loads newly published adapters, so requests enter as prompts arrive and publishing never
-waits for generation. Every other call runs in the actor's thread pool (a threaded actor):
-`rollout(item)` queues one prompt and returns its scored group the moment its `num_generations`
-completions are done; `set_adapter` returns once the engine serves the new version. A request runs
-to the end on the adapter version it started with, and its group records that version.
-
-An engine without step-wise requests (transformers generate) is driven by the same loop, one batch
-of the prompts that have arrived at a time.
+One thread runs the engine loop (rollout/engine_loop.py), which owns the engine: between engine steps it
+adds the prompts that have arrived and loads newly published adapters, so requests enter as prompts arrive
+and publishing never waits for generation. Every other call runs in the actor's thread pool (a threaded
+actor): `rollout(item)` hands the loop one prompt and returns its scored group the moment its
+`num_generations` completions are done; `set_adapter` returns once the engine serves the new version. A
+request runs to the end on the adapter version it started with, and its group records that version.
 """
 
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
 from collections import Counter
@@ -32,6 +28,7 @@ from tandem.core.protocol import (
     pack_completions,
 )
 from tandem.core.shaping import is_informative, overlong_penalty
+from tandem.rollout.engine_loop import EngineLoop, LoadVersion, Request, Sample
 from tandem.rollout.engines.base import Sampling
 from tandem.rollout.prompts import completion_views
 from tandem.rollout.rewards import IsolatedRewards, RewardError, RewardFunctions
@@ -53,22 +50,6 @@ def build_engine(cfg, seed: int):
     return HFEngine(m.path, dtype=m.dtype, lora=m.lora, seed=seed)
 
 
-ARRIVAL_GAP_S = 0.005  # an idle engine starts once no prompt arrived for this long ...
-ARRIVAL_WINDOW_S = 0.05  # ... or this long after the first one
-
-
-class _Request:
-    """A prompt between its arrival and its completions: the calling thread waits on `done`."""
-
-    __slots__ = ("ids", "sampling", "min_version", "version", "result", "error", "done", "submitted")
-
-    def __init__(self, ids: np.ndarray, sampling: Sampling, min_version: int = 0):
-        self.ids, self.sampling, self.min_version = ids, sampling, min_version
-        self.version, self.result, self.error = 0, None, None
-        self.done = threading.Event()
-        self.submitted = 0.0
-
-
 @errors_as_text
 class RolloutWorker:
     """Lifecycle: `RolloutWorker(cfg, id)` stores; `setup()` imports the reward functions, starts the
@@ -78,14 +59,12 @@ class RolloutWorker:
     def __init__(self, cfg, worker_id: int = 0):
         self.cfg, self.worker_id = cfg, worker_id
         self.sampling = Sampling.from_config(cfg)
-        self.version = 0  # newest policy version served: 0 = the base model, v = the v-th published adapter
+        self.loop = EngineLoop(lora=cfg.model.lora is not None)
         self._ready = threading.Event()
         self._setup_error: BaseException | None = None
-        self._inbox: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
         self._lock = threading.Lock()  # stats
         self._stats = Counter(groups=0, failures=0, tokens=0, requests=0)
-        self._times = {"generate_s": 0.0, "score_s": 0.0, "busy_s": 0.0, "engine_start_s": 0.0}
+        self._times = {"score_s": 0.0, "engine_start_s": 0.0}
         self._started_at = time.time()
 
     # ------------------------------------------------------------------------------ lifecycle
@@ -106,7 +85,6 @@ class RolloutWorker:
             self._setup_error = e
             self._ready.set()
             raise
-        self._inuse: Counter = Counter()  # adapter version -> requests running on it
         self._loop_thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._loop_thread.start()
         self._ready.wait()
@@ -123,18 +101,21 @@ class RolloutWorker:
             self._times["engine_start_s"] = time.time() - t0
             print(f"RolloutWorker {self.worker_id}: {type(self.engine).__name__} started in "
                   f"{self._times['engine_start_s']:.1f} s", flush=True)
-            self._streams = hasattr(self.engine, "add")
         except BaseException as e:  # noqa: BLE001 - raised by setup in the caller's thread
             self._setup_error = e
             self._ready.set()
             return
         self._started_at = time.time()
         self._ready.set()
-        self._loop()
+        self.loop.run(self.engine)
+
+    @property
+    def version(self) -> int:
+        """The newest policy version served: 0 = the base model, v = the v-th published adapter."""
+        return self.loop.version
 
     def shutdown(self) -> None:
-        self._stop.set()
-        self._inbox.put(None)
+        self.loop.stop()
         if getattr(self, "_loop_thread", None) is not None:
             self._loop_thread.join(timeout=30)
         if getattr(self, "engine", None) is not None:
@@ -147,119 +128,6 @@ class RolloutWorker:
         if self._setup_error is not None:
             raise RuntimeError(f"RolloutWorker {self.worker_id}: setup failed: {self._setup_error}")
 
-    # --------------------------------------------------------------------------- engine loop
-
-    def _loop(self) -> None:
-        running: dict[int, _Request] = {}
-        held: list = []  # an engine serving one version: a new one and what came after wait for `running` to end
-        early: list = []  # requests for a version not served yet (handed out while it is being published)
-        next_key = 0
-        while not self._stop.is_set():
-            due = any(c[1].min_version <= self.version for c in early)  # its version loaded after it came
-            cmds, held = held + ([] if (running or held or due) else self._arrivals()), []
-            while True:
-                try:
-                    cmds.append(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
-            cmds, early = cmds + early, []  # after the new commands: an adapter among them loads first
-            batch = []
-            for i, cmd in enumerate(cmds):
-                if cmd is None:
-                    continue
-                if cmd[0] == "adapter" and running and self.engine.serves_one_version:
-                    held = cmds[i:]
-                    break
-                if cmd[0] == "adapter":
-                    self._load(*cmd[1:])  # never raises: the caller of set_adapter hears of a failure
-                elif cmd[1].min_version > self.version:
-                    early.append(cmd)
-                elif self._streams:
-                    req = cmd[1]
-                    try:
-                        self._start(next_key, req)
-                    except Exception as e:  # noqa: BLE001 - refused by the engine (bad sampling, too long): its
-                        req.error = e  # caller hears it; the loop and every other request go on
-                        req.done.set()
-                        continue
-                    running[next_key] = req
-                    next_key += 1
-                else:
-                    batch.append(cmd[1])
-            t0, worked = time.time(), bool(batch or running)
-            try:
-                if batch:
-                    self._generate_batch(batch)
-                elif running:
-                    for key, comps in self.engine.step():
-                        self._finish(running.pop(key), comps)
-            except BaseException as e:  # the engine broke: every waiting call hears it
-                for req in list(running.values()) + batch:
-                    req.error = e
-                    req.done.set()
-                running.clear()
-            if worked:
-                with self._lock:
-                    self._times["busy_s"] += time.time() - t0
-
-    def _arrivals(self) -> list:
-        """With the engine idle: the first command, then whatever follows it closely. A burst of prompts
-        (a cycle handed out at once) then starts in one engine step: stepping on the first prompt alone
-        holds the GIL that Ray's call threads need to deliver the rest, spreading their start (and the
-        cycle's end) over hundreds of milliseconds on a GPU (bench/rollout.py)."""
-        cmds = [self._inbox.get()]
-        end = time.monotonic() + ARRIVAL_WINDOW_S
-        while cmds[-1] is not None and cmds[-1][0] == "request" and (left := end - time.monotonic()) > 0:
-            try:
-                cmds.append(self._inbox.get(timeout=min(left, ARRIVAL_GAP_S)))
-            except queue.Empty:
-                break
-        return cmds
-
-    def _adapter_for(self, version: int):
-        return version if (version > 0 and self.cfg.model.lora is not None) else None
-
-    def _start(self, key: int, req: _Request) -> None:
-        req.version, req.submitted = self.version, time.time()
-        self._inuse[req.version] += 1
-        self.engine.add(key, req.ids, req.sampling, adapter=self._adapter_for(req.version))
-
-    def _finish(self, req: _Request, comps) -> None:
-        self._inuse[req.version] -= 1
-        req.result = comps
-        with self._lock:
-            self._times["generate_s"] += time.time() - req.submitted
-        req.done.set()
-
-    def _generate_batch(self, reqs: list[_Request]) -> None:
-        by = {}
-        for r in reqs:
-            by.setdefault(r.sampling, []).append(r)
-        for sampling, group in by.items():
-            t0 = time.time()
-            outs = self.engine.generate([r.ids for r in group], sampling, adapter=self._adapter_for(self.version))
-            for r, comps in zip(group, outs):
-                r.version, r.submitted, r.result = self.version, t0, comps
-                r.done.set()
-            with self._lock:
-                self._times["generate_s"] += time.time() - t0
-
-    def _load(self, version: int, tensors: dict, done: threading.Event, box: dict) -> None:
-        try:
-            if version > self.version:
-                if self.cfg.model.lora is not None:
-                    self.engine.load_adapter(version, tensors)
-                    # versions nobody samples with any more leave the engine (the newest stays)
-                    self.engine.drop_adapters([v for v in self.engine.adapter_versions
-                                               if v < version and not self._inuse[v]])
-                else:
-                    self.engine.load_weights(version, tensors)
-                self.version = version
-        except BaseException as e:  # noqa: BLE001 - handed to set_adapter's caller
-            box["error"] = e
-        finally:
-            done.set()
-
     # ------------------------------------------------------------------------------ calls
 
     def set_adapter(self, version: int, tensors) -> int:
@@ -267,17 +135,17 @@ class RolloutWorker:
         requests already running finish on the version they started with. Returns once requests
         submitted from now on use it."""
         self._await_ready()
-        done, box = threading.Event(), {}
-        self._inbox.put(("adapter", version, as_torch(tensors), done, box))
-        done.wait()
-        if "error" in box:
-            raise box["error"]
+        cmd = LoadVersion(version, as_torch(tensors))
+        self.loop.submit(cmd)
+        cmd.done.wait()
+        if cmd.error is not None:
+            raise cmd.error
         return self.version
 
-    def _sample(self, items: list[PromptItem], sampling: Sampling) -> list[_Request]:
-        reqs = [_Request(it.prompt_ids, sampling, it.min_version) for it in items]
+    def _sample(self, items: list[PromptItem], sampling: Sampling) -> list[Request]:
+        reqs = [Request(it.prompt_ids, sampling, it.min_version) for it in items]
         for r in reqs:
-            self._inbox.put(("request", r))
+            self.loop.submit(Sample(r))
         for r in reqs:
             r.done.wait()
             if r.error is not None:
@@ -307,7 +175,7 @@ class RolloutWorker:
             g.lengths, gen.max_completion_length, gr.overlong_buffer_len, gr.overlong_penalty_factor)
         return is_informative(g.rewards, gr.reward_weights, pen)
 
-    def _group(self, it: PromptItem, req: _Request, t0: float) -> RolloutGroup | RolloutFailure:
+    def _group(self, it: PromptItem, req: Request, t0: float) -> RolloutGroup | RolloutFailure:
         comps = req.result
         t1 = time.time()
         ids = [c.tokens for c in comps]
@@ -350,7 +218,7 @@ class RolloutWorker:
     def stats(self) -> dict:
         """Counters since setup; busy_s: wall time with at least one request in the engine."""
         with self._lock:
-            out = dict(self._stats, **self._times)
+            out = dict(self._stats, **self._times, **self.loop.timings())
         out["wall_s"] = time.time() - self._started_at
         out.update(worker=self.worker_id, version=self.version)
         return out

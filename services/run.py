@@ -97,7 +97,7 @@ def controller_name(output_dir: str) -> str:
     return "controller:" + str(Path(output_dir).resolve())
 
 
-def start_controller(ray, cfg, resource_wait_s: float = 0.0, out=sys.stdout):
+def start_controller(ray, cfg, resource_wait_s: float = 0.0, out=None):
     """The Controller actor, named after the run directory; two threads, so that `scale` and `status`
     are answered while a cycle runs. resource_wait_s: how long a request no node has may wait for an
     autoscaler (0 on the embedded Ray: no node will join it); meanwhile what it waits for is printed every
@@ -105,6 +105,7 @@ def start_controller(ray, cfg, resource_wait_s: float = 0.0, out=sys.stdout):
     from tandem.core.config import JobConfigError
     from tandem.services.controller import Controller
 
+    out = out or sys.stdout  # looked up now: a caller may have redirected it
     name = controller_name(cfg.logging.output_dir)
     if not name_is_free(ray, name):
         raise JobConfigError(f"logging.output_dir = {cfg.logging.output_dir!r}: a job writing there is already "
@@ -301,8 +302,9 @@ def hold_run_dir(output_dir: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def run_job(cfg, address: str | None = None, out=sys.stdout) -> int:
+def run_job(cfg, address: str | None = None, out=None) -> int:
     t_start = time.time()
+    out = out or sys.stdout  # looked up now: a caller may have redirected it
     ray = start_ray(address, cfg)
     with sigterm_as_interrupt():  # after ray.init, whose core worker installs a SIGTERM handler of its own
         return _run_job(cfg, ray, address, out, t_start)

@@ -112,6 +112,6 @@ class RunLog:
 
 
 def step_of(line: str) -> int | None:
-    """The step number at the start of a metrics line, even a cut one ('{"step": 7, "re' -> 7)."""
-    m = re.match(r'\s*\{\s*"step":\s*(\d+)', line)
+    """The step number of a metrics line, even a cut one ('{"time": 17.5, "step": 7, "re' -> 7)."""
+    m = re.search(r'"step":\s*(\d+)[,}]', line)
     return int(m.group(1)) if m else None

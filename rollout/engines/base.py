@@ -37,12 +37,24 @@ class Completion:
 class Engine:
     """generate() returns, per prompt, `sampling.n` completions; adapters are selected by version.
     serves_one_version: a new version replaces the weights every running request samples with, so it is
-    loaded only once none runs (vLLM with the adapter merged)."""
+    loaded only once none runs (vLLM with the adapter merged).
+    streams: requests enter and leave a running engine one by one (`add`, then `step` until each is done); an
+    engine that does not stream samples a call's prompts together (`generate`). The engine loop
+    (rollout/engine_loop.py) uses one or the other."""
 
     serves_one_version = False
+    streams = False
 
     def generate(self, prompts: list[np.ndarray], sampling: Sampling, adapter: int | None = None
                  ) -> list[list[Completion]]:
+        raise NotImplementedError
+
+    def add(self, key: int, prompt: np.ndarray, sampling: Sampling, adapter: int | None = None) -> None:
+        """A streaming engine: start sampling one prompt, known by `key` (raises when the engine refuses it)."""
+        raise NotImplementedError
+
+    def step(self) -> list[tuple[int, list[Completion]]]:
+        """A streaming engine: one step of every running request -> (key, completions) of those that finished."""
         raise NotImplementedError
 
     def load_adapter(self, version: int, tensors: dict) -> None:

@@ -70,14 +70,6 @@ class TandemWorkerExtension:
             qm.process_weights_after_loading(lm_head)
         return True
 
-    def tandem_lm_head_probe(self, hidden):
-        """lm_head applied through the packed path, to test the re-pack."""
-        import torch
-
-        model = self.model_runner.model
-        with torch.no_grad():
-            return model.compute_logits(hidden.to(next(model.parameters()).dtype)).float().cpu()
-
 
 class AdapterMerge:
     """W + (lora_alpha / r) B A for every module a PEFT adapter wraps (what peft's merge_adapter computes, and
@@ -115,6 +107,8 @@ class AdapterMerge:
 
 
 class VLLMEngine(Engine):
+    streams = True  # the engine loop adds requests between engine steps
+
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len: int = 1024, lora=None,
                  max_loras: int = 2, seed: int = 0, kv_cache_bytes: int = 256 << 20, adapter_dir: str | None = None,
                  enforce_eager: bool | None = None, gpu_memory_utilization: float = 0.3,
@@ -194,9 +188,6 @@ class VLLMEngine(Engine):
     def step(self) -> list[tuple[int, list[Completion]]]:
         """One engine step. -> (key, completions) of every request (all its n samples) that finished."""
         return [(int(o.request_id), self._completions(o)) for o in self.llm.llm_engine.step() if o.finished]
-
-    def busy(self) -> bool:
-        return self.llm.llm_engine.has_unfinished_requests()
 
     def generate(self, prompts, sampling, adapter=None):
         outs = self.llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompts],

@@ -262,3 +262,28 @@ def test_relative_paths_become_absolute_against_the_drivers_directory(tmp_path):
     assert got.logging.output_dir == str(tmp_path / "runs/a") and got.checkpoint.dir is None
     assert got.checkpoint_dir == str(tmp_path / "runs/a" / "checkpoints")
     assert cfg.data.path == "data/train.jsonl"  # the job itself is untouched
+
+
+def test_tandem_check_reads_the_data_and_refuses_what_trains_nothing(job_files, tmp_path, capsys):
+    """A 0-row data file, a whitespace-only prompt (text or chat) and max_steps 0: each refused by `tandem check` in
+    one line naming the file and row or the field (before: 'valid')."""
+    from tandem.services.cli import main
+
+    data = tmp_path / "data.jsonl"
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_files))
+    assert main(["check", str(job)]) == 0 and "valid" in capsys.readouterr().out
+    cases = {"": f"data.path = {str(data)!r}: no rows",
+             json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"prompt": " \t\n"}) + "\n":
+                 f"{data}: row 1: the prompt ('prompt') is ' \\t\\n', empty or whitespace only",
+             json.dumps({"prompt": [{"role": "system", "content": ""}, {"role": "user", "content": "  "}]}) + "\n":
+                 f"{data}: row 0: the prompt ('prompt') is [",
+             }
+    for text, want in cases.items():
+        data.write_text(text)
+        assert main(["check", str(job)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and err.startswith(f"tandem: {want}"), (want, err)
+    data.write_text(json.dumps({"prompt": "ok"}) + "\n")
+    assert main(["check", str(job), "--set", "batch.max_steps=0"]) == 2
+    assert "batch.max_steps = 0: trains nothing; allowed: -1" in capsys.readouterr().err

@@ -1,0 +1,219 @@
+"""The engine loop: the one thread that owns an engine and steps it. The rollout worker's call threads hand it
+typed commands through one inbox and wait on what they handed in; nothing else touches the engine.
+
+Commands:
+  Sample(request)        sample one prompt's completions (a request; an episode's next turn re-enters as one)
+  LoadVersion(v, ...)    serve policy version v from now on (an adapter or full weights)
+  STOP                   end the loop
+
+Queues, and the order they are taken in each turn (the rule lives in `_turn`):
+  held     an engine that serves one version at a time (weights merged) does not load a new version while
+           requests run: that command and every command after it wait here, and the engine drains first
+  inbox    what the call threads sent since the last turn
+  early    requests for a version not served yet (sent while that version is being published): kept until a
+           load makes it served
+  running  requests inside the engine, by key: each finishes on the version it started with
+
+Each turn takes held, then the inbox, then early, in that order, so a load among new commands is applied before
+the early requests it makes due; then one engine step. Loads happen only here, between two engine steps.
+An engine that streams (`Engine.streams`: add / step) takes requests as they come; one that does not samples the
+turn's requests in one `generate` call.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tandem.rollout.engines.base import Engine, Sampling
+
+# With the engine idle, the first command waits up to ARRIVAL_WINDOW_S for others arriving within ARRIVAL_GAP_S
+# of each other: a burst of prompts (a cycle handed out at once) starts in one engine step. Stepping on the first
+# prompt alone holds the GIL that Ray's call threads need to deliver the rest (bench/rollout.py).
+ARRIVAL_WINDOW_S = 0.05
+ARRIVAL_GAP_S = 0.005
+
+
+class Request:
+    """A prompt between its arrival and its completions: the calling thread waits on `done`."""
+
+    __slots__ = ("ids", "sampling", "min_version", "version", "result", "error", "done", "submitted")
+
+    def __init__(self, ids: np.ndarray, sampling: Sampling, min_version: int = 0):
+        self.ids, self.sampling, self.min_version = ids, sampling, min_version
+        self.version, self.result, self.error = 0, None, None  # version: the one it was sampled with
+        self.done = threading.Event()
+        self.submitted = 0.0
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.done.set()
+
+
+@dataclass
+class Sample:
+    request: Request
+
+
+@dataclass
+class LoadVersion:
+    version: int
+    tensors: dict
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+STOP = None  # the command that ends the loop
+
+
+class EngineLoop:
+    """`submit(command)` from any thread; `run(engine)` in the thread that built the engine (vLLM keeps a CUDA
+    stream per thread) until STOP or `stop()`. version: the newest version served (0: the base model)."""
+
+    def __init__(self, lora: bool):
+        self.lora = lora  # versions are adapters (else full weights)
+        self.version = 0
+        self.engine: Engine | None = None
+        self._inbox: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._held: list = []
+        self._early: list[Sample] = []
+        self._running: dict[int, Request] = {}
+        self._in_use: Counter = Counter()  # version -> requests running on it
+        self._next_key = 0
+        self._times_lock = threading.Lock()
+        self.times = {"generate_s": 0.0, "busy_s": 0.0}
+
+    def submit(self, command) -> None:
+        self._inbox.put(command)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put(STOP)
+
+    def timings(self) -> dict:
+        with self._times_lock:
+            return dict(self.times)
+
+    def run(self, engine: Engine) -> None:
+        self.engine = engine
+        while not self._stop.is_set():
+            self._turn()
+
+    # ------------------------------------------------------------------------------ one turn
+
+    def _turn(self) -> None:
+        due = any(s.request.min_version <= self.version for s in self._early)  # its version loaded meanwhile
+        idle = not (self._running or self._held or due)
+        commands, self._held = self._held + (self._arrivals() if idle else []), []
+        commands += self._drain_inbox()
+        commands, self._early = commands + self._early, []
+        batch: list[Request] = []
+        for i, cmd in enumerate(commands):
+            if cmd is STOP:
+                self._stop.set()  # this turn ends what it has begun; no next turn
+                continue
+            if isinstance(cmd, LoadVersion):
+                if self._running and self.engine.serves_one_version:
+                    self._held = commands[i:]  # drain first: the load and what follows it wait
+                    break
+                self._load(cmd)
+            elif cmd.request.min_version > self.version:
+                self._early.append(cmd)
+            elif self.engine.streams:
+                self._add(cmd.request)
+            else:
+                batch.append(cmd.request)
+        self._step(batch)
+
+    def _drain_inbox(self) -> list:
+        out = []
+        while True:
+            try:
+                out.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _arrivals(self) -> list:
+        """With the engine idle: the first command, then whatever follows it closely."""
+        cmds = [self._inbox.get()]
+        end = time.monotonic() + ARRIVAL_WINDOW_S
+        while isinstance(cmds[-1], Sample) and (left := end - time.monotonic()) > 0:
+            try:
+                cmds.append(self._inbox.get(timeout=min(left, ARRIVAL_GAP_S)))
+            except queue.Empty:
+                break
+        return cmds
+
+    def _adapter(self, version: int) -> int | None:
+        return version if (version > 0 and self.lora) else None
+
+    def _add(self, req: Request) -> None:
+        req.version, req.submitted = self.version, time.time()
+        try:
+            self.engine.add(self._next_key, req.ids, req.sampling, adapter=self._adapter(req.version))
+        except Exception as e:  # noqa: BLE001 - refused by the engine (bad sampling, too long): its caller
+            req.fail(e)  # hears it; the loop and every other request go on
+            return
+        self._in_use[req.version] += 1
+        self._running[self._next_key] = req
+        self._next_key += 1
+
+    def _step(self, batch: list[Request]) -> None:
+        if not (batch or self._running):
+            return
+        t0 = time.time()
+        try:
+            if batch:
+                self._generate(batch)
+            else:
+                for key, comps in self.engine.step():
+                    self._finish(self._running.pop(key), comps)
+        except BaseException as e:  # noqa: BLE001 - the engine broke: every waiting call hears it
+            for req in list(self._running.values()) + batch:
+                req.fail(e)
+            self._running.clear()
+            self._in_use.clear()
+        with self._times_lock:
+            self.times["busy_s"] += time.time() - t0
+
+    def _finish(self, req: Request, comps) -> None:
+        self._in_use[req.version] -= 1
+        req.result = comps
+        with self._times_lock:
+            self.times["generate_s"] += time.time() - req.submitted
+        req.done.set()
+
+    def _generate(self, reqs: list[Request]) -> None:
+        by: dict[Sampling, list[Request]] = {}
+        for r in reqs:
+            by.setdefault(r.sampling, []).append(r)
+        for sampling, group in by.items():
+            t0 = time.time()
+            outs = self.engine.generate([r.ids for r in group], sampling, adapter=self._adapter(self.version))
+            for r, comps in zip(group, outs):
+                r.version, r.submitted, r.result = self.version, t0, comps
+                r.done.set()
+            with self._times_lock:
+                self.times["generate_s"] += time.time() - t0
+
+    def _load(self, cmd: LoadVersion) -> None:
+        try:
+            if cmd.version > self.version:
+                if self.lora:
+                    self.engine.load_adapter(cmd.version, cmd.tensors)
+                    # versions nobody samples with any more leave the engine (the newest stays)
+                    self.engine.drop_adapters([v for v in self.engine.adapter_versions
+                                               if v < cmd.version and not self._in_use[v]])
+                else:
+                    self.engine.load_weights(cmd.version, cmd.tensors)
+                self.version = cmd.version
+        except BaseException as e:  # noqa: BLE001 - handed to the caller that sent the load
+            cmd.error = e
+        finally:
+            cmd.done.set()

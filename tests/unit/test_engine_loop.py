@@ -1,0 +1,186 @@
+"""The engine loop's promises, with a scripted engine in place of vLLM (no Ray, no model): a request finishes
+on the version it started with, versions load between engine steps, an engine serving one version drains
+before a new one, a request for a version not served yet is held until it is, a refused request fails alone."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from tandem.rollout.engine_loop import STOP, EngineLoop, LoadVersion, Request, Sample
+from tandem.rollout.engines.base import Completion, Engine, Sampling
+
+SAMPLING = Sampling(n=1, max_tokens=4)
+
+
+class ScriptedEngine(Engine):
+    """A streaming engine whose requests each take `steps` engine steps; it records every event in order."""
+
+    streams = True
+
+    def __init__(self, steps: int = 3, serves_one_version: bool = False):
+        self.steps, self.serves_one_version = steps, serves_one_version
+        self.events: list[tuple] = []
+        self.left: dict[int, int] = {}
+        self.loaded: list[int] = []
+
+    def add(self, key, ids, sampling, adapter=None):
+        if len(ids) == 0:
+            raise ValueError("empty prompt")
+        self.left[key] = self.steps
+        self.events.append(("add", key, adapter))
+
+    def step(self):
+        self.events.append(("step",))
+        done = []
+        for key in list(self.left):
+            self.left[key] -= 1
+            if self.left[key] == 0:
+                del self.left[key]
+                done.append((key, [Completion(np.array([key], np.int32), np.zeros(1, np.float32), True)]))
+        return done
+
+    def load_adapter(self, version, tensors):
+        self.events.append(("load", version))
+        self.loaded.append(version)
+
+    @property
+    def adapter_versions(self):
+        return list(self.loaded)
+
+    def drop_adapters(self, versions):
+        self.loaded = [v for v in self.loaded if v not in versions]
+
+
+class BatchEngine(Engine):
+    """A non-streaming engine (transformers' generate): one call per turn."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompts, sampling, adapter=None):
+        self.calls.append((len(prompts), adapter))
+        return [[Completion(np.array([1], np.int32), np.zeros(1, np.float32), True)] for _ in prompts]
+
+
+def started(engine, lora=True):
+    loop = EngineLoop(lora=lora)
+    t = threading.Thread(target=loop.run, args=(engine,), daemon=True)
+    t.start()
+    return loop, t
+
+
+def request(min_version=0, ids=(1, 2)):
+    return Request(np.array(ids, np.int32), SAMPLING, min_version)
+
+
+def load(loop, version):
+    cmd = LoadVersion(version, {})
+    loop.submit(cmd)
+    assert cmd.done.wait(5)
+    return cmd
+
+
+def finish(*reqs):
+    for r in reqs:
+        assert r.done.wait(5), "the request never finished"
+
+
+def test_a_request_finishes_on_the_version_it_started_with_and_loads_come_between_steps():
+    eng = ScriptedEngine(steps=50)
+    loop, t = started(eng)
+    a = request()
+    loop.submit(Sample(a))
+    while not any(e[0] == "step" for e in eng.events):
+        pass
+    load(loop, 1)  # while `a` runs
+    b = request()
+    loop.submit(Sample(b))
+    finish(a, b)
+    loop.stop()
+    t.join(5)
+    assert (a.version, b.version) == (0, 1) and loop.version == 1
+    adds = {e[1]: e[2] for e in eng.events if e[0] == "add"}
+    assert adds == {0: None, 1: 1}  # b sampled with adapter 1, a without (the base model)
+    i = eng.events.index(("load", 1))
+    assert eng.events[i - 1] == ("step",) and eng.events[i + 1] != ("load", 1)  # between two steps
+    assert eng.events.index(("add", 0, None)) < i < eng.events.index(("add", 1, 1))
+
+
+def test_an_engine_serving_one_version_drains_before_the_new_one_and_keeps_the_order_after_it():
+    eng = ScriptedEngine(steps=5, serves_one_version=True)
+    loop, t = started(eng)
+    a = request()
+    loop.submit(Sample(a))
+    while not any(e[0] == "step" for e in eng.events):
+        pass
+    cmd = LoadVersion(1, {})
+    b = request()
+    loop.submit(cmd)
+    loop.submit(Sample(b))  # after the load: must not start before it
+    finish(a, b)
+    assert cmd.done.is_set() and cmd.error is None
+    loop.stop()
+    t.join(5)
+    i = eng.events.index(("load", 1))
+    assert not any(e[0] == "add" and e[1] == 0 for e in eng.events[i:])  # a was done before the load
+    assert eng.left == {} and a.version == 0 and b.version == 1
+    assert eng.events.index(("add", 1, 1)) > i
+
+
+def test_a_request_for_a_version_not_served_yet_is_held_until_it_is():
+    eng = ScriptedEngine(steps=1)
+    loop, t = started(eng)
+    early = request(min_version=2)
+    loop.submit(Sample(early))
+    load(loop, 1)
+    assert not early.done.wait(0.2) and not any(e[0] == "add" for e in eng.events)  # v1 is not enough
+    load(loop, 2)
+    finish(early)
+    loop.stop()
+    t.join(5)
+    assert early.version == 2 and ("add", 0, 2) in eng.events
+
+
+def test_a_refused_request_fails_alone_and_versions_no_request_uses_leave_the_engine():
+    eng = ScriptedEngine(steps=2)
+    loop, t = started(eng)
+    bad, good = request(ids=()), request()
+    loop.submit(Sample(bad))
+    loop.submit(Sample(good))
+    finish(bad, good)
+    assert isinstance(bad.error, ValueError) and good.error is None and good.result is not None
+    load(loop, 1)
+    load(loop, 2)
+    loop.submit(STOP)
+    t.join(5)
+    assert not t.is_alive(), "STOP did not end the loop"
+    assert eng.loaded == [2]  # 1 left the engine: nothing ran on it
+
+
+def test_a_non_streaming_engine_samples_a_turns_requests_in_one_call():
+    eng = BatchEngine()
+    loop = EngineLoop(lora=True)
+    reqs = [request() for _ in range(3)]
+    for r in reqs:
+        loop.submit(Sample(r))
+    t = threading.Thread(target=loop.run, args=(eng,), daemon=True)
+    t.start()
+    finish(*reqs)
+    loop.stop()
+    t.join(5)
+    assert eng.calls == [(3, None)] and all(r.version == 0 for r in reqs)
+
+
+def test_a_load_that_fails_is_handed_to_its_sender_and_the_version_stays():
+    class Broken(ScriptedEngine):
+        def load_adapter(self, version, tensors):
+            raise RuntimeError("bad adapter")
+
+    loop, t = started(Broken())
+    cmd = load(loop, 1)
+    loop.stop()
+    t.join(5)
+    assert isinstance(cmd.error, RuntimeError) and loop.version == 0
+    with pytest.raises(RuntimeError, match="bad adapter"):
+        raise cmd.error
