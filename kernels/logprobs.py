@@ -10,7 +10,7 @@ sum of per-token terms (GRPO's are): each chunk's gradients are formed in forwar
 computed once instead of twice.
 
 `linear_grpo_loss(hidden, weight, ids, old_logp, advantages, token_weight, ...)`: the GRPO loss
-(spec §4) as that fused form: the learner's training op.
+(docs/grpo.md §4) as that fused form: the learner's training op.
 
 One name per op (Liger-Kernel's rule): `<op>` dispatches (Triton on CUDA, else the reference),
 `<op>_reference` is plain PyTorch here, `<op>_triton` is the kernel in `triton_logprobs.py`; the
@@ -65,17 +65,13 @@ def linear_logprobs_loss_reference(hidden, weight, ids, token_loss, temperature:
     return token_loss(logp, 0, hidden.shape[0]).sum(), logp.detach(), ent
 
 
-def _grpo_defaults():
-    from tandem.core.config import GRPOConfig
-
-    return GRPOConfig()
-
-
-GRPO_DEFAULTS = _grpo_defaults()  # the defaults live in the job schema, nowhere else
+# Plain numbers, no config: the kernels know nothing of the job. These are the spec's defaults, which the job
+# schema (tandem.core.config.GRPOConfig) holds and the learner passes; tests/unit/test_loss.py keeps them equal.
+EPSILON, EPSILON_HIGH, DELTA, BETA = 0.2, None, None, 0.0
 
 
-def grpo_token_terms(old_logp, advantages, token_weight, *, epsilon=GRPO_DEFAULTS.epsilon, epsilon_high=GRPO_DEFAULTS.epsilon_high,
-                     delta=GRPO_DEFAULTS.delta, beta=GRPO_DEFAULTS.beta, ref_logp=None, tis=None):
+def grpo_token_terms(old_logp, advantages, token_weight, *, epsilon=EPSILON, epsilon_high=EPSILON_HIGH,
+                     delta=DELTA, beta=BETA, ref_logp=None, tis=None):
     """linear_grpo_loss's per-token terms, for linear_logprobs_loss: token_loss(logp[s:e], s, e) ->
     token_weight * (-min(r·A, clip(r)·A) · tis + beta · k3) on tokens s..e, r = exp(logp - old), the
     unclipped ratio capped at delta. Flat [N] inputs (tensors or scalars); old_logp None = on-policy
@@ -93,7 +89,7 @@ def grpo_token_terms(old_logp, advantages, token_weight, *, epsilon=GRPO_DEFAULT
         zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
         old = logp.detach() if old_logp is None else col(old_logp, s, e, logp)
         a = col(advantages, s, e, logp)
-        d = torch.where(m, logp - old, zero).clamp(-20.0, 20.0)  # spec §4.4 clamp
+        d = torch.where(m, logp - old, zero).clamp(-20.0, 20.0)  # docs/grpo.md §4.4 clamp
         r = torch.exp(d)
         unclipped = r if delta is None else r.clamp(max=delta)
         loss = -torch.minimum(unclipped * a, r.clamp(1 - epsilon, 1 + hi) * a)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.logprobs import GRPO_DEFAULTS
+from tandem.kernels.logprobs import BETA, DELTA, EPSILON, EPSILON_HIGH
 
 BLOCK_V = 2048
 
@@ -99,7 +99,7 @@ def _row_grad(z_ptr, z_stride, d_ptr, d_stride, ids_ptr, lse_ptr, g_ptr, V, inv_
 
 @triton.jit
 def _grpo_token(lp, old, adv, tis, ref, lo, hi, delta, beta, HAS_KL: tl.constexpr):
-    """GRPO per-token loss and its derivative in the log-prob (spec §4.3-4.7, loss.per_token_loss):
+    """GRPO per-token loss and its derivative in the log-prob (docs/grpo.md §4.3-4.7, loss.per_token_loss):
     -min(min(r, delta) A, clip(r, lo, hi) A) * tis + beta * k3, r = exp(clamp(lp - old, +-20)).
     Gradients follow torch's: clamp passes them on the closed interval, minimum splits ties."""
     lr = lp - old
@@ -618,7 +618,7 @@ class _LinearGRPO(torch.autograd.Function):
 
 
 def linear_grpo_loss_triton(hidden, weight, ids, old_logp, advantages, token_weight, *, temperature=1.0,
-                            epsilon=GRPO_DEFAULTS.epsilon, epsilon_high=GRPO_DEFAULTS.epsilon_high, delta=GRPO_DEFAULTS.delta, beta=GRPO_DEFAULTS.beta,
+                            epsilon=EPSILON, epsilon_high=EPSILON_HIGH, delta=DELTA, beta=BETA,
                             ref_logp=None, tis=None,
                             chunk=None, with_entropy=False, grad_weight_fp32=True, lse_epilogue=True):
     """The GRPO loss straight from hidden states, its gradients formed in forward, logits computed once.

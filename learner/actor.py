@@ -9,25 +9,20 @@ collective.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
-import random
-import shutil
 import time
-from pathlib import Path
 
-import numpy as np
 import torch
 
-from tandem.core.adapter import ADAPTER_DIR, write_peft_adapter
 from tandem.core.checks import check_learner_device, check_shared_dir
 from tandem.core.compat import before_deepspeed_init, set_distributed_env
 from tandem.core.plan import BatchPlan
-from tandem.learner.advantages import compute_advantages, total_rewards, with_overlong_column
+from tandem.learner import checkpoint_io
+from tandem.learner.advantages import compute_advantages, with_overlong_column
 from tandem.learner.batch import Samples, collate, to_device
 from tandem.learner.logprobs import completion_grpo_loss, completion_logprobs
 from tandem.learner.loss import LossInputs, grpo_loss, grpo_metrics, tis_weight, token_weights
+from tandem.learner.metrics import accumulate, reduce_metrics, rollout_stats
 from tandem.learner.model import (
     copy_to_cpu,
     load_frozen_reference,
@@ -35,7 +30,7 @@ from tandem.learner.model import (
     reference_context,
     trainable_state_dict,
 )
-from tandem.learner.safe_load import CheckpointRefused, CheckpointWriteError, refuse_pickles
+from tandem.learner.safe_load import refuse_pickles
 
 
 def _check_token_ids(groups, vocab: int):
@@ -224,47 +219,11 @@ class Learner:
         with torch.no_grad():
             old = [self._logp(mb)[0] for mb in mbs] if self.needs_old() else None
             ref = [self._logp(mb, reference=True) for mb in mbs] if g.beta > 0 else None
-        GA, W = plan.gradient_accumulation_steps, self.world
         step_metrics = []
         for opt_step in plan.optimizer_steps():
             # dapo: active tokens of this optimizer step over every rank (each rank knows all rows)
             n_active = sum(s.loss_mask_counts(r, g.mask_truncated_completions) for m in opt_step for r in m.rows)
-            acc: dict[str, float] = {}
-            loss_sum = 0.0
-            for m in opt_step:
-                k = m.index % S
-                mb = mbs[k]
-                ref_k = ref[k] if ref is not None else None
-                self._begin_micro_step()
-                # fused: loss and its gradient in one pass (the off-policy mask needs the policy's log-probs
-                # before the loss, so it takes the two-pass path)
-                if g.importance_sampling_level == "token" and g.off_policy_mask_threshold is None:
-                    loss, logp, ent = self._fused_loss(mb, old[k] if old is not None else None, ref_k, n_active)
-                    x = self._inputs(mb, logp, old[k] if old is not None else logp, ref_k, ent)
-                else:
-                    logp, ent = self._logp(mb, with_entropy=True)
-                    x = self._inputs(mb, logp, old[k] if old is not None else logp.detach(), ref_k, ent)
-                    loss = grpo_loss(x, g, tis=self.tis, max_completion_length=cfg.generation.max_completion_length,
-                                     num_active_tokens=n_active)
-                # Contribution of this micro-batch to the step's objective (spec §4.8), then undo
-                # DeepSpeed's 1/GA and 1/world averaging so the gradient is exactly that sum.
-                if g.loss_type != "dapo":
-                    loss = loss / (GA * W)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"Learner.train: non-finite loss {float(loss.detach())} at micro-step {m.index}; "
-                                             "weights not updated")
-                self.engine.backward(loss * (GA * W))
-                if self.engine.is_gradient_accumulation_boundary():
-                    grad_norm = self._grad_norm_before_step()
-                    lr = self.scheduler.get_last_lr()[0]  # the rate this step applies (TRL logs that one)
-                self.engine.step()
-                loss_sum += float(loss.detach())
-                mm = grpo_metrics(x, g, tis=self.tis)
-                _accumulate(acc, mm)
-            self.steps += 1
-            step_metrics.append(self._reduce(acc, loss_sum) | {
-                "step": self.steps, "lr": lr,
-                "grad_norm": grad_norm if grad_norm is not None else float(self.engine.get_global_grad_norm() or 0.0)})
+            step_metrics.append(self._optimizer_step(opt_step, mbs, old, ref, n_active))
         self.version += 1
         batch_stats = rollout_stats(s, plan.num_generations, weights, self.version - 1, rewards.numpy())
         train_s = time.time() - t0
@@ -276,6 +235,46 @@ class Learner:
             sm["train_s"] = train_s
         return {"version": self.version, "steps": step_metrics}
 
+    def _optimizer_step(self, opt_step, mbs: list, old, ref, n_active: int) -> dict:
+        """The micro-steps of one optimizer step (the plan's), then the step. -> its metrics."""
+        cfg, g = self.cfg, self.cfg.grpo
+        GA, W, S = self.plan.gradient_accumulation_steps, self.world, self.plan.steps_per_generation
+        acc: dict[str, float] = {}
+        loss_sum = 0.0
+        for m in opt_step:
+            k = m.index % S
+            mb = mbs[k]
+            ref_k = ref[k] if ref is not None else None
+            self._begin_micro_step()
+            # fused: loss and its gradient in one pass (the off-policy mask needs the policy's log-probs
+            # before the loss, so it takes the two-pass path)
+            if g.importance_sampling_level == "token" and g.off_policy_mask_threshold is None:
+                loss, logp, ent = self._fused_loss(mb, old[k] if old is not None else None, ref_k, n_active)
+                x = self._inputs(mb, logp, old[k] if old is not None else logp, ref_k, ent)
+            else:
+                logp, ent = self._logp(mb, with_entropy=True)
+                x = self._inputs(mb, logp, old[k] if old is not None else logp.detach(), ref_k, ent)
+                loss = grpo_loss(x, g, tis=self.tis, max_completion_length=cfg.generation.max_completion_length,
+                                 num_active_tokens=n_active)
+            # Contribution of this micro-batch to the step's objective (docs/grpo.md §4.8), then undo
+            # DeepSpeed's 1/GA and 1/world averaging so the gradient is exactly that sum.
+            if g.loss_type != "dapo":
+                loss = loss / (GA * W)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"Learner.train: non-finite loss {float(loss.detach())} at micro-step {m.index}; "
+                                         "weights not updated")
+            self.engine.backward(loss * (GA * W))
+            if self.engine.is_gradient_accumulation_boundary():
+                grad_norm = self._grad_norm_before_step()
+                lr = self.scheduler.get_last_lr()[0]  # the rate this step applies (TRL logs that one)
+            self.engine.step()
+            loss_sum += float(loss.detach())
+            accumulate(acc, grpo_metrics(x, g, tis=self.tis))
+        self.steps += 1
+        return reduce_metrics(acc, loss_sum, self.world, self.device) | {
+            "step": self.steps, "lr": lr,
+            "grad_norm": grad_norm if grad_norm is not None else float(self.engine.get_global_grad_norm() or 0.0)}
+
     def _throughput(self, tokens: int, seconds: float) -> dict:
         """learner/tokens_per_s: prompt + completion tokens through this rank's training passes per second;
         learner/mfu: 6·N·tokens/s over the GPU's dense bf16 peak (N all parameters, nanoGPT's convention;
@@ -283,30 +282,6 @@ class Learner:
         rate = tokens / max(seconds, 1e-9)
         return {"learner/tokens_per_s": rate,
                 "learner/mfu": (6 * self._n_params * rate / self._peak_flops) if self._peak_flops else None}
-
-    def _reduce(self, acc: dict, loss_sum: float) -> dict:
-        """Token-weighted means over micro-steps and ranks; min/max reduced as such."""
-        keys = sorted(k for k in acc if not k.startswith(("min:", "max:")))
-        vec = torch.tensor([acc[k] for k in keys] + [loss_sum], dtype=torch.float64, device=self.device)  # NCCL reduces GPU tensors only
-        mins = {k: acc[k] for k in acc if k.startswith("min:")}
-        maxs = {k: acc[k] for k in acc if k.startswith("max:")}
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(vec)
-            for d, op in ((mins, dist.ReduceOp.MIN), (maxs, dist.ReduceOp.MAX)):
-                if d:
-                    t = torch.tensor(list(d.values()), dtype=torch.float64, device=self.device)
-                    dist.all_reduce(t, op=op)
-                    d.update(zip(d, t.tolist()))
-        vals = dict(zip(keys, vec.tolist()))
-        tokens = max(vals.pop("tokens", 0.0), 1.0)
-        out = {k.removeprefix("sum:"): v / tokens for k, v in vals.items()}
-        # an all-masked step has no min/max: report 0 rather than inf
-        out.update({k[4:]: (v if math.isfinite(v) else 0.0) for k, v in (mins | maxs).items()})
-        out["loss"] = vec[-1].item()
-        out["tokens"] = tokens
-        return out
 
     # ---------------------------------------------------------------------- publish, save
 
@@ -317,7 +292,7 @@ class Learner:
 
         from tandem.core.protocol import WeightsPayload
 
-        return self.version, ray.put(WeightsPayload.from_torch(self._gathered_state()))
+        return self.version, ray.put(WeightsPayload.from_torch(self.gathered_state()))
 
     def _gathered(self, params):
         """ZeRO-3 keeps a partition of each parameter: gather them whole while reading."""
@@ -327,7 +302,7 @@ class Learner:
 
         return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
 
-    def _gathered_state(self) -> dict:
+    def gathered_state(self) -> dict:
         params = [p for p in self.model.parameters() if p.requires_grad or self.cfg.model.lora is None]
         with self._gathered(params):
             return copy_to_cpu(trainable_state_dict(self.model))
@@ -338,100 +313,16 @@ class Learner:
             return {n: p.detach().clone().float().cpu() for n, p in named}
 
     def save_checkpoint(self, directory: str, extra: dict | None = None) -> str:
-        """Written to `<dir>.tmp` and renamed: a crash never leaves a half checkpoint to resume from."""
-        final = Path(directory)
-        tmp = final.with_name(final.name + ".tmp")
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        self._barrier()
-        try:
-            self.engine.save_checkpoint(str(tmp), tag="state", save_latest=False)
-            self._save_artifact(tmp)
-            save_rng(tmp / f"rng_rank{self.rank}.safetensors")
-            self._barrier()
-            if self.rank == 0:
-                (tmp / "tandem.json").write_text(json.dumps({"version": self.version, "steps": self.steps,
-                                                             **(extra or {})}))
-        except (OSError, RuntimeError) as e:  # a full disk surfaces as torch's "unexpected pos ..." too
-            shutil.rmtree(tmp, ignore_errors=True)
-            usage = shutil.disk_usage(final.parent) if final.parent.exists() else None
-            free = f"{usage.free / 2**20:.0f} MiB free there" if usage else "its directory is gone"
-            raise CheckpointWriteError(f"checkpoint: writing {tmp} failed ({type(e).__name__}: {str(e)[:200]}; "
-                                       f"{free}): nothing was half-written, the previous checkpoints are kept; "
-                                       "allowed: a run directory with room for a checkpoint") from e
-        if self.rank == 0:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-        self._barrier()
-        return str(final)
-
-    def _save_artifact(self, directory: Path) -> None:
-        """What a user loads: the adapter in PEFT's format (LoRA), or a transformers model directory (full
-        fine-tuning). Gathered on every rank (ZeRO-3), written by rank 0."""
-        sd = self._gathered_state()
-        if self.rank != 0:
-            return
-        cfg = self.cfg
-        if cfg.model.lora is not None:
-            write_peft_adapter(directory / ADAPTER_DIR, sd, cfg.model.lora, str(Path(cfg.model.path).resolve()))
-            return
-        from transformers import AutoTokenizer
-
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        base.save_pretrained(directory / "model", state_dict=sd, safe_serialization=True)
-        AutoTokenizer.from_pretrained(cfg.model.path).save_pretrained(directory / "model")
+        return checkpoint_io.save_checkpoint(self, directory, extra)
 
     def load_checkpoint(self, directory: str) -> dict:
-        d = Path(directory)
-        try:
-            meta = json.loads((d / "tandem.json").read_text())
-        except ValueError as e:
-            raise CheckpointRefused(f"checkpoint file {d / 'tandem.json'}: not JSON ({e})") from None
-        self.engine.load_checkpoint(str(d), tag="state", load_optimizer_states=True, load_lr_scheduler_states=True)
-        load_rng(d / f"rng_rank{self.rank}.safetensors")
-        self.version, self.steps = meta["version"], meta["steps"]
-        return meta
+        return checkpoint_io.load_checkpoint(self, directory)
 
-    def _barrier(self):
+    def barrier(self):
         if self.world > 1:
             import torch.distributed as dist
 
             dist.barrier()
-
-
-def save_rng(path: Path) -> None:
-    """Every RNG of this process in a safe format (safetensors + JSON metadata): loading runs no code."""
-    from safetensors.torch import save_file
-
-    np_state = np.random.get_state()
-    tensors = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64))}
-    if torch.cuda.is_available():
-        tensors.update({f"cuda_{i}": t for i, t in enumerate(torch.cuda.get_rng_state_all())})
-    meta = {"numpy": json.dumps([np_state[0], *[float(x) if isinstance(x, float) else int(x) for x in np_state[2:]]]),
-            "python": json.dumps(random.getstate())}
-    save_file(tensors, str(path), metadata=meta)
-
-
-def load_rng(path: Path) -> None:
-    from safetensors import safe_open
-
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: missing (a checkpoint written before RNG states were safetensors, or "
-                                "an incomplete one)")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata()
-            t = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # noqa: BLE001 - safetensors' errors do not name the file
-        raise CheckpointRefused(f"checkpoint file {path}: not a safetensors file ({e})") from None
-    torch.set_rng_state(t["torch"])
-    name, pos, has_gauss, cached = json.loads(meta["numpy"])
-    np.random.set_state((name, t["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
-    version, state, gauss = json.loads(meta["python"])
-    random.setstate((version, tuple(state), gauss))
-    cuda = [t[k] for k in sorted((k for k in t if k.startswith("cuda_")), key=lambda k: int(k[5:]))]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
 
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12}
@@ -451,45 +342,3 @@ def _resolve(groups: list) -> list:
 
         return ray.get(list(groups))
     return groups
-
-
-def _accumulate(acc: dict, m: dict) -> None:
-    """Token-weighted sums (means come back in _reduce); min/max kept as such."""
-    n = m["tokens"]
-    acc["tokens"] = acc.get("tokens", 0.0) + n
-    for k, v in m.items():
-        if k == "tokens":
-            continue
-        if k.endswith("_min"):
-            acc["min:" + k] = min(acc.get("min:" + k, math.inf), v if n else math.inf)
-        elif k.endswith("_max"):
-            acc["max:" + k] = max(acc.get("max:" + k, -math.inf), v if n else -math.inf)
-        else:
-            acc["sum:" + k] = acc.get("sum:" + k, 0.0) + v * n
-
-
-def rollout_stats(s: Samples, G: int, weights, version: int, rewards: np.ndarray | None = None) -> dict:
-    """Reward and completion statistics of the generation batch (spec §5). `rewards`: the columns trained
-    on (the functions', plus the overlong penalty when on); default the functions'."""
-    rewards = s.rewards if rewards is None else rewards
-    r, valid = total_rewards(torch.from_numpy(rewards), weights)
-    r = r[valid]
-    lengths = np.array([len(c) for c in s.completions])
-    grp = torch.from_numpy(rewards).nan_to_num(0.0).sum(1).view(-1, G)
-    out = {
-        "reward": float(r.mean()) if len(r) else 0.0,
-        "reward_std": float(r.std()) if len(r) > 1 else 0.0,
-        "frac_reward_zero_std": float((grp.max(1).values == grp.min(1).values).float().mean()),
-        "completion_length": float(lengths.mean()),
-        "completion_length_min": float(lengths.min()),
-        "completion_length_max": float(lengths.max()),
-        "frac_truncated": float(1 - s.eos.mean()),
-        "version_lag": float(np.mean(version - s.versions)),
-        "version_lag_max": float(np.max(version - s.versions)),
-    }
-    for f in range(rewards.shape[1]):
-        col = rewards[:, f]
-        col = col[~np.isnan(col)]
-        out[f"rewards/{f}/mean"] = float(col.mean()) if len(col) else 0.0
-        out[f"rewards/{f}/std"] = float(col.std(ddof=1)) if len(col) > 1 else 0.0
-    return out

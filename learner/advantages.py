@@ -1,4 +1,4 @@
-"""Group-relative advantages (spec §4.1–4.2). Pure tensors: no Ray, no DeepSpeed."""
+"""Group-relative advantages (docs/grpo.md §4.1–4.2). Pure tensors: no Ray, no DeepSpeed."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tandem.core import shaping
 from tandem.core.shaping import overlong_penalty
 
 STD_EPS = 1e-4  # added to the std before dividing (TRL/Unsloth)
@@ -26,21 +27,13 @@ def _scale_mode(scale_rewards: str | bool) -> str:
 def total_rewards(
     rewards: torch.Tensor, reward_weights: Sequence[float] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, F] per-function rewards (NaN = None) -> (weighted nansum [N], valid [N]: some function scored)."""
-    if rewards.dim() == 1:
-        rewards = rewards.unsqueeze(1)
-    n_fn = rewards.shape[1]
-    if reward_weights is None:
-        w = torch.ones(n_fn, dtype=torch.float64, device=rewards.device)
-    else:
-        if len(reward_weights) != n_fn:
-            raise ValueError(
-                f"compute_advantages: {len(reward_weights)} reward_weights for {n_fn} reward columns"
-            )
-        w = torch.as_tensor(list(reward_weights), dtype=torch.float64, device=rewards.device)
-    r = rewards.to(torch.float64)
-    valid = ~torch.isnan(r).all(dim=1)
-    return torch.nansum(r * w, dim=1), valid
+    """[N, F] per-function rewards (NaN = None) -> (weighted nansum [N] float64, valid [N]: some function
+    scored), as tensors: tandem.core.shaping.total_rewards (the one definition) on the rewards' host copy."""
+    n_fn = 1 if rewards.dim() == 1 else rewards.shape[1]
+    if reward_weights is not None and len(reward_weights) != n_fn:
+        raise ValueError(f"compute_advantages: {len(reward_weights)} reward_weights for {n_fn} reward columns")
+    total, valid = shaping.total_rewards(rewards.detach().to("cpu", torch.float64).numpy(), reward_weights)
+    return torch.from_numpy(total).to(rewards.device), torch.from_numpy(valid).to(rewards.device)
 
 
 def compute_advantages(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import socket
 
 from tandem.core.compat import learner_env_vars
@@ -23,41 +24,37 @@ def learner_actor_class(cfg, cls):
                       runtime_env={"env_vars": learner_env_vars(r.num_gpus > 0)})(cls)
 
 
+# the learner's remote interface, declared once: what LearnerGroup calls on a rank, forwarded to the Learner by
+# LearnerActor and by the colocated actor (services/colocated.py, each as learner_<name>)
 LEARNER_METHODS = ("placement", "setup", "train", "export_adapter", "save_checkpoint", "load_checkpoint",
-                   "trainable_parameters")  # what LearnerGroup calls on a rank
+                   "trainable_parameters")
+
+
+def forward_learner_methods(cls, holder: str, prefix: str = ""):
+    """cls gains prefix + name for each of LEARNER_METHODS that it does not define itself, calling that method of
+    the learner it holds in attribute `holder`. -> cls."""
+    def forward(name: str):
+        def call(self, *args):
+            return getattr(getattr(self, holder), name)(*args)
+        call.__name__ = call.__qualname__ = prefix + name
+        return call
+    for name in LEARNER_METHODS:
+        if not hasattr(cls, prefix + name):
+            setattr(cls, prefix + name, forward(name))
+    return cls
 
 
 @errors_as_text
+@functools.partial(forward_learner_methods, holder="learner")
 class LearnerActor:
     """The Ray actor of one rank: a Learner built in the actor's own process. Defined here, away from the
     Learner's module, so that the process starting the actors (the controller) never imports torch
-    (~140 MB and seconds per job); the methods are the ones LearnerGroup calls."""
+    (~140 MB and seconds per job); its methods are LEARNER_METHODS, forwarded."""
 
     def __init__(self, *args):
         from tandem.learner.actor import Learner
 
         self.learner = Learner(*args)
-
-    def placement(self) -> dict:
-        return self.learner.placement()
-
-    def setup(self) -> int:
-        return self.learner.setup()
-
-    def train(self, groups) -> dict:
-        return self.learner.train(groups)
-
-    def export_adapter(self):
-        return self.learner.export_adapter()
-
-    def save_checkpoint(self, directory: str, extra: dict | None = None) -> str:
-        return self.learner.save_checkpoint(directory, extra)
-
-    def load_checkpoint(self, directory: str) -> dict:
-        return self.learner.load_checkpoint(directory)
-
-    def trainable_parameters(self) -> dict:
-        return self.learner.trainable_parameters()
 
 
 class LearnerGroup:

@@ -10,9 +10,11 @@ import contextlib
 
 import torch
 
-from tandem.kernels.logprobs import GRPO_DEFAULTS as _G
+from tandem.core.config import GRPOConfig
 from tandem.kernels.logprobs import grpo_token_terms, linear_grpo_loss, linear_logprobs, selective_logprobs
 from tandem.learner.model import decoder_and_head
+
+_G = GRPOConfig()  # the spec's defaults, from the job schema (tandem.core): one definition
 
 
 def _hidden(model, batch):

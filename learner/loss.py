@@ -1,4 +1,4 @@
-"""The GRPO loss (spec §4.3–4.8) and its metrics. Pure tensors: no Ray, no DeepSpeed.
+"""The GRPO loss (docs/grpo.md §4.3–4.8) and its metrics. Pure tensors: no Ray, no DeepSpeed.
 
 Shapes: B completions (rows) × T completion positions; `mask` is 1 on real completion tokens.
 Masked positions may hold anything (inf, NaN, 1e9): they are replaced before any arithmetic,
@@ -13,9 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.kernels.logprobs import GRPO_DEFAULTS as _G
+from tandem.core.config import GRPOConfig
 
-LOG_RATIO_CLAMP = 20.0  # spec §4.4: |log-ratio| <= 20, so exp never overflows
+_G = GRPOConfig()  # the spec's defaults, from the job schema (tandem.core): one definition
+
+LOG_RATIO_CLAMP = 20.0  # docs/grpo.md §4.4: |log-ratio| <= 20, so exp never overflows
 # the allowed values are the job schema's (one definition); pure functions still refuse others
 LOSS_TYPES = typing.get_args(type(_G).model_fields["loss_type"].annotation)
 TIS_MODES = typing.get_args(type(_G).model_fields["vllm_importance_sampling_mode"].annotation)
@@ -43,7 +45,7 @@ def log_ratio(logp, old_logp, mask, importance_sampling_level="token"):
 
 
 def tis_weight(old_logp, sampler_logp, mask, cap, mode="token_truncate", clip_min=None):
-    """[B, T] detached truncated-importance-sampling weight from exp(old − sampler) (spec §4.6).
+    """[B, T] detached truncated-importance-sampling weight from exp(old − sampler) (docs/grpo.md §4.6).
     clip_min (TRL's vllm_importance_sampling_clip_min): truncate modes raise the weight to it, mask modes
     drop weights below it as they drop those above the cap."""
     _check("tis_mode", mode, TIS_MODES)
@@ -123,7 +125,7 @@ def per_token_loss(
 
 
 def aggregate_loss(loss_per_token, mask, loss_type, *, max_completion_length=None, num_active_tokens=None):
-    """Scalar loss normalised per `loss_type` (spec §4.8); every denominator >= 1.
+    """Scalar loss normalised per `loss_type` (docs/grpo.md §4.8); every denominator >= 1.
 
     dapo: `num_active_tokens` is the active-token count of the whole optimizer step over all
     ranks; None falls back to this micro-batch's count.
@@ -233,7 +235,7 @@ class LossInputs:
 
 
 def grpo_loss(x: LossInputs, g, *, tis: bool, max_completion_length: int, num_active_tokens=None):
-    """Scalar loss of one micro-batch (spec §4) from the job's `grpo` section (prime-rl's
+    """Scalar loss of one micro-batch (docs/grpo.md §4) from the job's `grpo` section (prime-rl's
     loss_fn(inputs, config) shape)."""
     per = per_token_loss(x.logp, x.old_logp, x.advantages, x.mask, epsilon=g.epsilon, epsilon_high=g.epsilon_high,
                          delta=g.delta, importance_sampling_level=g.importance_sampling_level, beta=g.beta,

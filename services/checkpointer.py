@@ -12,6 +12,8 @@ import re
 import shutil
 from pathlib import Path
 
+from tandem.core.config import JobConfigError
+
 # what may change between a run and its resume without changing what was trained or the data order
 RESUMABLE_CHANGES = {("batch", "max_steps"), ("batch", "num_train_epochs"), ("checkpoint", None), ("logging", None),
                      ("cluster", "num_rollout_workers"), ("cluster", "address"), ("cluster", "rollout_resources"),
@@ -85,6 +87,8 @@ class Checkpointer:
         self.root = Path(cfg.checkpoint_dir)
         self.save_steps = cfg.checkpoint.save_steps
         self.keep = cfg.checkpoint.save_total_limit
+        self.fingerprint: dict | None = None  # the job's (fingerprint()), kept in every checkpoint, compared on resume
+        self.skipped: list[str] = []  # the checkpoints the last resume passed over, with why and where they went
 
     def due(self, steps: list[int]) -> bool:
         """A cycle that ran optimizer steps `steps` saves when one of them is a multiple of save_steps
@@ -118,3 +122,28 @@ class Checkpointer:
             dst = ck.with_name(f"{ck.name}.refused-{n}")
         ck.rename(dst)
         return dst
+
+    def resume(self, load) -> tuple[Path, dict] | None:
+        """The newest checkpoint that `load(path) -> meta` takes, and its meta; None when there is none. Those it
+        passes over (unreadable, or `load` failed; a JobConfigError from `load` is no such failure: it stops the
+        resume) are named in `skipped` and, being newer than the one taken, set aside. When checkpoints exist and
+        none loads, the run is refused, naming each: a fresh start would train over the run."""
+        passed, self.skipped = [], []
+        for ck, why in self.candidates():
+            if why is None:
+                try:
+                    meta = load(ck)
+                except JobConfigError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a part DeepSpeed cannot read: an older one may do
+                    why = f"failed to load: {(str(e).strip().splitlines() or [type(e).__name__])[-1][:200]}"
+                else:
+                    self.skipped = [f"checkpoint {c.name} skipped: {w}; kept as {self.set_aside(c).name}"
+                                    for c, w in passed]
+                    return ck, meta
+            passed.append((ck, why))
+        if passed:
+            raise JobConfigError(f"checkpoint.resume: no checkpoint in {self.root} can be resumed from: " +
+                                 "; ".join(f"{ck.name} ({why})" for ck, why in passed) +
+                                 "; allowed: repair or remove them, or logging.overwrite_output_dir: true to start over")
+        return None

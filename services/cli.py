@@ -158,7 +158,7 @@ def cmd_tiny_model(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem", description="Distributed GRPO training on Ray + vLLM + DeepSpeed")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -221,8 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--seed", type=int, default=0)
     st.add_argument("--tie", action="store_true", help="tie lm_head to the embeddings")
     st.set_defaults(fn=cmd_tiny_model)
+    return p
 
-    args = p.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     warnings.simplefilter("default")
     try:
         return args.fn(args)

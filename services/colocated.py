@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from tandem.core.checks import colocated_request
 from tandem.core.compat import learner_env_vars, rollout_env_vars
-from tandem.learner.group import LEARNER_METHODS, LearnerActor
+from tandem.learner.group import LearnerActor, forward_learner_methods
 from tandem.rollout.worker import RolloutWorker, call_threads, start_rollout_worker
 
 PREFIX = "learner_"
@@ -36,16 +36,7 @@ class ColocatedWorker(RolloutWorker):
         return self._learner.setup()
 
 
-def _delegate(name: str):
-    def call(self, *args):
-        return getattr(self._learner, name)(*args)
-    call.__name__ = PREFIX + name
-    return call
-
-
-for _name in LEARNER_METHODS:
-    if not hasattr(ColocatedWorker, PREFIX + _name):
-        setattr(ColocatedWorker, PREFIX + _name, _delegate(_name))
+forward_learner_methods(ColocatedWorker, holder="_learner", prefix=PREFIX)
 
 
 def colocated_actor_class(cfg):

@@ -1,43 +1,48 @@
 """Controller: drives one job as a short loop over single-purpose parts that do not know about each
 other (prime-rl's orchestrator; torchforge's two loops around a buffer):
 
-  PromptSource   which prompt next (seeded order per epoch, re-queues, reward-failure retries)
+  PromptSource   which prompt next (seeded order per epoch, re-queues, reward-failure retries), from its table
   RolloutPool    the rollout workers: fed up to their prompts in flight, groups streamed back, scaling,
                  dead workers replaced, adapters published
-  GroupBuffer    scored groups waiting for the learner; staleness decided there
+  GroupBuffer    scored groups waiting for the learner: staleness and admission (dynamic sampling) decided there
+  FailureLog     prompts that did not become a trainable group (failed_prompts.jsonl)
+  TrainedRecord  what was trained, per epoch
   LearnerGroup   training (learner/)
   Checkpointer   when, where, how many, what to resume from
   RunLog         metrics.jsonl, the Ray metrics and the trackers of logging.report_to (Trackers)
   Evaluator      the eval prompts on the workers serving the newest adapter, every eval.eval_steps
 
-The controller moves object refs, never payloads: a group goes from its worker's object store to the
-learner's. Every prompt handed out is either trained on once or handed out again (worker died, group
-too stale, reward function failed once): never lost, never trained on twice.
+Each part that holds run state saves and loads its own share (state / load); the controller's checkpoint
+state is the dict of those. The controller moves object refs, never payloads: a group goes from its worker's
+object store to the learner's. Every prompt handed out is either trained on once or handed out again (worker
+died, group too stale, reward function failed once): never lost, never trained on twice.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from tandem.core.config import JobConfigError
 from tandem.core.plan import BatchPlan
-from tandem.core.protocol import PromptItem, errors_as_text
+from tandem.core.protocol import errors_as_text
 from tandem.services.checkpointer import Checkpointer, fingerprint, fingerprint_changes
 from tandem.services.data import check_rows, load_rows
-from tandem.services.epoch_record import EpochRecord
+from tandem.services.epoch_record import EpochRecord, TrainedRecord
 from tandem.services.evaluator import Evaluator
+from tandem.services.failures import FailureLog
 from tandem.services.group_buffer import GroupBuffer
 from tandem.services.prompt_source import PromptSource, PromptTable
 from tandem.services.rollout_pool import RolloutPool
 from tandem.services.run_log import EXPORTED, RunLog, rollout_rates, series_name  # noqa: F401 - deploy/ reads EXPORTED
 from tandem.services.trackers import Trackers
-
-RECENT = 4096  # trained / filtered groups kept in memory with their versions
 
 
 def one_at_a_time(method):
@@ -54,94 +59,146 @@ class CycleInterrupted(Exception):
     """The driver asked the cycle to stop (Ctrl-C, SIGTERM): what it gathered stays pending."""
 
 
+@dataclass
+class Progress:
+    """Where the run is: generation cycles done and the policy version served (saved), its length (from the
+    job and the data) and the last publish's latency."""
+
+    TRANSIENT: ClassVar = ("total_cycles", "total_steps", "publish_latency_s")
+    cycle: int = 0
+    version: int = 0
+    total_cycles: int = 0
+    total_steps: int = 0
+    publish_latency_s: float = 0.0  # from the adapter's export to every worker serving it
+
+    def state(self) -> dict:
+        return {"cycle": self.cycle, "version": self.version}
+
+    def load(self, st: dict) -> None:
+        self.cycle, self.version = st["cycle"], st["version"]
+
+
+@dataclass
+class Stages:
+    """A cycle's stages, each timed under its name (verl's marked_timer): the metrics' cycle split."""
+
+    t0: float = field(default_factory=time.time)
+    seconds: dict = field(default_factory=Counter)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t = time.time()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.time() - t
+
+
 @errors_as_text
 class Controller:
-    """Lifecycle: `Controller(cfg, own_process)` stores the job (own_process: a Ray actor of its own, which
-    tokenises without importing torch); `setup()` reads and tokenises the data and starts the
-    learner and the rollout workers; `resume()` optionally; `step()` per generation cycle (saving when
-    the checkpointer says so); `save_checkpoint()` at the end; `shutdown()`."""
+    """Lifecycle: `Controller(cfg)` stores the job; `setup(resource_wait_s, own_process)` reads and tokenises
+    the data and starts the learner and the rollout workers (own_process: a Ray actor of its own, which
+    tokenises without importing torch); `resume()` optionally; `step()` per generation cycle (saving when the
+    checkpointer says so); `save_checkpoint()` at the end; `shutdown()`."""
 
-    def __init__(self, cfg, own_process: bool = False):
-        self.cfg, self.own_process = cfg, own_process
-        self.plan = BatchPlan.from_config(cfg)
-        self.k = cfg.cluster.max_staleness
-        self.out = Path(cfg.logging.output_dir)
+    def __init__(self, cfg):
+        # the job
+        self.cfg, self.plan = cfg, BatchPlan.from_config(cfg)
+        # run state, each part saving its own (state / load); the data-bound ones are made in setup
+        self.progress, self.counters = Progress(), Counter()
+        self.source: PromptSource | None = None
+        self.buffer: GroupBuffer | None = None
+        self.record: TrainedRecord | None = None
+        self.failures: FailureLog | None = None
+        # the actors, the files
+        self.pool: RolloutPool | None = None
+        self.learner = self.evaluator = None
         self.checkpoints = Checkpointer(cfg)
         self.log = RunLog(self.out / "metrics.jsonl")
-        self.buffer = GroupBuffer(self.k)
-        self.counters = Counter()
-        self._drive = threading.Lock()
-        self._interrupted = threading.Event()
-        self.version = self.cycle = self.total_cycles = 0
-        # (epoch, dataset index, version) of the latest trained / dynamic-sampling-filtered groups, for the
-        # metrics and a reader; what was used in each epoch is kept whole, and bounded, in EpochRecords
-        self.seen: deque = deque(maxlen=RECENT)
-        self.filtered: deque = deque(maxlen=RECENT)
-        self.failed: list[dict] = []
-        self._filler: list = []  # this batch's filtered groups, to fill it when the oversampling bound is hit
-        self._sampled = 0  # prompts handed out for the batch being gathered
-        self._no_reward_run = 0  # groups in a row without any reward: a cycle's worth stops the run
-        self.pool = self.learner = None
-        self.evaluator = None
-        self._publish_latency = 0.0
-        self.notes: list[str] = []  # what resume() passed over (checkpoints, a cut metrics line), for the terminal
+        # the driving thread and the answering one
+        self._drive, self._interrupted = threading.Lock(), threading.Event()
+
+    # what tests, the driver and a reader ask for by name
+    out = property(lambda self: Path(self.cfg.logging.output_dir))
+    cycle = property(lambda self: self.progress.cycle)
+    version = property(lambda self: self.progress.version)
+    total_cycles = property(lambda self: self.progress.total_cycles)
+    table = property(lambda self: self.source.table)
+    trained = property(lambda self: self.record.epochs)  # what was trained, per epoch
+    seen = property(lambda self: self.record.recent)  # (epoch, index, version) of the latest trained groups
+    filtered = property(lambda self: self.buffer.recent_filtered)  # the same of the latest filtered ones
+    workers = property(lambda self: self.pool.workers if self.pool else [])
 
     @one_at_a_time
-    def setup(self, resource_wait_s: float = 0.0) -> dict:
+    def setup(self, resource_wait_s: float = 0.0, own_process: bool = False) -> dict:
         """resource_wait_s: how long a request no node can hold may wait for an autoscaler to add one."""
-        from tandem.core.checks import check_inputs, write_shared_probe
-        from tandem.core.compat import tokenizer_without_torch
-        from tandem.learner.group import LearnerGroup
-        from tandem.rollout.prompts import tokenize_prompt
-        from tandem.rollout.worker import prompts_in_flight
-        from tandem.services.colocated import PREFIX, colocated_actor_class, worker_starter
+        from tandem.core.checks import check_inputs
 
         cfg = self.cfg
         check_inputs(cfg)  # as this node sees them; each worker imports the rewards again in its setup
         if cfg.logging.overwrite_output_dir and not cfg.checkpoint.resume:
             self._clear_run_dir()
         self.out.mkdir(parents=True, exist_ok=True)
-        if self.own_process:  # a Ray actor of its own: nothing here runs a model
+        rows = self._read_data(own_process)
+        self.buffer = GroupBuffer(cfg.cluster.max_staleness, rows, cfg.grpo.dynamic_sampling,
+                                  int(cfg.grpo.max_oversampling * self.plan.unique_prompts))
+        self.record = TrainedRecord(rows)
+        self.failures = FailureLog(self.out / "failed_prompts.jsonl", cfg.rewards, self.plan.unique_prompts, rows)
+        self.checkpoints.fingerprint = fingerprint(cfg, rows)
+        p, U = self.progress, self.plan.unique_prompts
+        p.total_cycles = (-(-cfg.batch.max_steps // self.plan.optimizer_steps_per_cycle) if cfg.batch.max_steps > 0
+                          else max(int(cfg.batch.num_train_epochs * rows) // U, 1))
+        p.total_steps = p.total_cycles * self.plan.optimizer_steps_per_cycle
+        self._wait_for_nodes(resource_wait_s)
+        self._start_actors()
+        self.log.trackers = Trackers(cfg)
+        return self.status()
+
+    def _read_data(self, own_process: bool) -> int:
+        """The prompts (and eval prompts) read, checked and tokenised once, here: workers receive token ids.
+        -> the number of rows."""
+        from tandem.core.compat import tokenizer_without_torch
+        from tandem.rollout.prompts import tokenize_prompt
+
+        cfg, pc = self.cfg, self.cfg.data.prompt_column
+        if own_process:  # a Ray actor of its own: nothing here runs a model
             tok = tokenizer_without_torch(cfg.model.path)
         else:
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(cfg.model.path)
-        pc = cfg.data.prompt_column
 
-        def table(path: str) -> PromptTable:  # tokenised once, here; workers receive token ids
+        def table(path: str) -> PromptTable:
             rows = load_rows(path)
             check_rows(rows, pc, path)
             return PromptTable(rows, [tokenize_prompt(tok, r[pc], max_prompt_length=cfg.generation.max_prompt_length,
                                                       truncate=cfg.data.truncate_long_prompts, row=i)
                                       for i, r in enumerate(rows)], pc)
-        self.table = table(cfg.data.path)
-        rows = self.table.rows
-        self.source = PromptSource(len(rows), cfg.seed, cfg.data.shuffle)
-        self.trained, self.filtered_record = EpochRecord(len(rows), "trained on"), EpochRecord(len(rows), "filtered")
-        self.fingerprint = fingerprint(cfg, len(rows))
+        data = table(cfg.data.path)
+        self.source = PromptSource(len(data), cfg.seed, cfg.data.shuffle, table=data)
         if cfg.eval.path is not None:
             self.evaluator = Evaluator(cfg, table(cfg.eval.path), tok)
-        U = self.plan.unique_prompts
-        if cfg.batch.max_steps > 0:
-            self.total_cycles = -(-cfg.batch.max_steps // self.plan.optimizer_steps_per_cycle)
-        else:
-            self.total_cycles = max(int(cfg.batch.num_train_epochs * len(rows)) // U, 1)
-        self.total_steps = self.total_cycles * self.plan.optimizer_steps_per_cycle
-        self._wait_for_nodes(resource_wait_s)
+        return len(data)
+
+    def _start_actors(self) -> None:
+        """The learner's setup runs while the rollout workers start (colocate: rank 0's actor is worker 0)."""
+        from tandem.core.checks import write_shared_probe
+        from tandem.learner.group import LearnerGroup
+        from tandem.rollout.worker import prompts_in_flight
+        from tandem.services.colocated import PREFIX, colocated_actor_class, worker_starter
+
+        cfg = self.cfg
         probe = write_shared_probe(cfg.logging.output_dir)
-        try:  # the learner's setup runs while the rollout workers start
-            colocate = cfg.cluster.vllm_mode == "colocate"  # rank 0's actor is rollout worker 0
+        try:
+            colocate = cfg.cluster.vllm_mode == "colocate"
             host = dict(actor_class=colocated_actor_class(cfg), prefix=PREFIX) if colocate else {}
-            self.learner = LearnerGroup(cfg, total_steps=self.total_steps, probe=probe, wait=False, **host)
+            self.learner = LearnerGroup(cfg, total_steps=self.progress.total_steps, probe=probe, wait=False, **host)
             start = worker_starter(cfg, host=self.learner.actors[0] if colocate else None)
             self.pool = RolloutPool(start, prompts_in_flight(cfg), self.counters)
             self.pool.start(cfg.cluster.num_rollout_workers)
             self.learner.ready()
         finally:
             Path(probe).unlink(missing_ok=True)
-        self.log.trackers = Trackers(cfg)
-        return self.status()
 
     def _wait_for_nodes(self, wait_s: float) -> None:
         """Every role's request fits some node (within wait_s), or a one-line error: an actor that no node
@@ -166,179 +223,148 @@ class Controller:
         for d in (Path(self.cfg.checkpoint_dir), self.out / "adapter", self.out / "model"):
             shutil.rmtree(d, ignore_errors=True)
 
-    @property
-    def workers(self) -> list:
-        return self.pool.workers if self.pool else []
-
     # --------------------------------------------------------------------------------- cycle
 
     @one_at_a_time
     def step(self) -> dict:
-        """One generation cycle: gather unique_prompts fresh groups, train on them, publish the adapter."""
-        ray = self.pool.ray
+        """One generation cycle: collect unique_prompts fresh groups, train on them, publish the adapter,
+        record the metrics (and evaluate, and save, when due)."""
+        self._evaluate_on_start()
+        stage, before = Stages(), self._rollout_stats()
+        with stage("collect"):
+            batch, sampled = self._collect()
+        with stage("train"):
+            result = self._train(batch)
+        with stage("publish"):
+            sent = self._send()
+            self._feed_ahead()
+            self._await_published(sent)
+        self.progress.cycle += 1
+        steps = self._metrics(result["steps"], batch, before, stage, sampled)
+        with stage("record"):
+            self._record(steps)
+        return {"version": self.version, "steps": steps, "done": self._done()}
+
+    def _done(self) -> bool:
+        return self.cycle >= self.total_cycles
+
+    def _evaluate_on_start(self) -> None:
         if self.cycle == 0 and self.evaluator and self.cfg.eval.eval_on_start and not self.log.has_step(0):
-            self.log.write([{"step": 0, **self.evaluator.run(ray, self.pool.serving(), self.version, 0)}])
-        t0 = time.time()
-        U = self.plan.unique_prompts
-        before = self._rollout_stats()
-        filled = 0
+            self.log.write([{"step": 0, **self.evaluator.run(self.pool.ray, self.pool.serving(), self.version, 0)}])
+
+    def _collect(self) -> tuple[list, dict]:
+        """Until unique_prompts fresh groups are buffered: prompts handed out, groups taken back, stale ones
+        handed out again, the batch filled at the oversampling bound. -> the batch, dynamic sampling's counts."""
+        U, filled = self.plan.unique_prompts, 0
         while True:
             if self._interrupted.is_set():  # before training: nothing of this cycle is trained or lost
                 raise CycleInterrupted(f"cycle {self.cycle} interrupted while gathering groups")
             self._requeue_stale()
             if len(self.buffer) >= U:
                 break
-            if self._oversampled(U) and not self.pool.in_flight():
-                filled = self._fill(U)
+            if self.buffer.oversampled() and not self.pool.in_flight():
+                filled = self.buffer.fill(U, self.version)
+                self.counters["groups_filled"] += filled
                 continue
             self._gather(U, timeout=1.0)
-        batch = self.buffer.take(U)
-        sampled, self._sampled = self._sampled, 0
-        for m, _ in self._filler:  # used, not trained
-            self._record_filtered(m)
-        self._filler = []
-        wait_s = time.time() - t0
-        t1 = time.time()
-        train_refs = self.learner.train_async([g for _, g in batch])
-        while True:  # with max_staleness >= 1 the workers keep sampling while the learner trains
-            if self.k > 0:
-                self._gather(U * self.k, timeout=0.05)
-            busy = self.k > 0 and self.pool.in_flight()
-            done, waiting = ray.wait(train_refs, num_returns=len(train_refs), timeout=0.0 if busy else 0.5)
+        sampled = {"dynamic_sampling/prompts_sampled": self.buffer.sampled, "dynamic_sampling/filled": filled}
+        return self.buffer.take(U), sampled
+
+    def _train(self, batch: list) -> dict:
+        """The learner trains on the batch; with max_staleness >= 1 the workers keep sampling meanwhile."""
+        ray, k = self.pool.ray, self.cfg.cluster.max_staleness
+        refs = self.learner.train_async([g for _, g in batch])
+        while True:
+            if k > 0:
+                self._gather(self.plan.unique_prompts * k, timeout=0.05)
+            busy = k > 0 and self.pool.in_flight()
+            done, waiting = ray.wait(refs, num_returns=len(refs), timeout=0.0 if busy else 0.5)
             ray.get(done)  # a dead rank raises now, not after the others time out at a collective
             if not waiting:
                 break
-        result = ray.get(train_refs)[0]
-        train_s = time.time() - t1
         for m, _ in batch:
-            self.trained.add(m["epoch"], m["index"])
-            self.seen.append((m["epoch"], m["index"], m["version"]))
-        # Publishing waits for no generation: each worker loads the adapter between two engine steps while
-        # its requests run on, so every worker serves the new version before the next cycle begins (with
-        # max_staleness 0, before any of its prompts goes out).
-        t2 = time.time()
-        self._publish()
-        self.cycle += 1
-        done_run = self.cycle >= self.total_cycles
-        publish_s = time.time() - t2
-        steps = self._metrics(result["steps"], batch, before, wait_s=wait_s, train_s=train_s, publish_s=publish_s,
-                              cycle_s=time.time() - t0)
-        if self.evaluator and self.evaluator.due(steps[0]["step"], steps[-1]["step"], done_run):
-            steps[-1].update(self.evaluator.run(ray, self.pool.serving(), self.version, steps[-1]["step"]))
-        if self.cfg.grpo.dynamic_sampling:
-            steps = [dict(st, **{"dynamic_sampling/prompts_sampled": sampled, "dynamic_sampling/filled": filled})
-                     for st in steps]
-        self.log.write(steps)
-        if self.checkpoints.due([s["step"] for s in steps]):
-            self._save()
-        return {"version": self.version, "steps": steps, "done": done_run}
-
-    def _item(self) -> PromptItem:
-        return self.table.item(*self.source.next())
+            self.record.add(m["epoch"], m["index"], m["version"])
+        return ray.get(refs)[0]
 
     def _gather(self, want: int, timeout: float) -> None:
         """Keep `want` prompts buffered or in flight, take what came back within `timeout`."""
-        room = want - len(self.buffer) - self.pool.in_flight()
-        if self.cfg.grpo.dynamic_sampling:
-            room = min(room, int(self.cfg.grpo.max_oversampling * self.plan.unique_prompts) - self._sampled)
+        room = self.buffer.room(want, self.pool.in_flight())
         if room > 0:
-            self._sampled += self.pool.feed(self._item, room)
+            self.buffer.handed_out(self.pool.feed(self.source.next_item, room))
         results, lost = self.pool.poll(timeout=timeout)
         for it in lost:  # back to the front of the queue: nothing lost
             self.source.requeue(it.index, it.epoch, front=True)
         for it, meta, ref in results:
             self._accept(it, meta, ref)
 
-    def _accept(self, it: PromptItem, meta: dict, ref) -> None:
+    def _accept(self, it, meta: dict, ref) -> None:
         if not meta.get("failure"):
-            self._no_reward_run = 0
-            m = dict(meta, index=it.index, epoch=it.epoch)
-            if self.cfg.grpo.dynamic_sampling and not meta.get("informative", True):
+            self.failures.rewarded()
+            if not self.buffer.admit(dict(meta, index=it.index, epoch=it.epoch), ref):
                 self.counters["groups_filtered"] += 1
-                self._filler.append((m, ref))
-            else:
-                self.buffer.add(m, ref)
-            return
-        if meta.get("no_reward"):  # the functions' answer, not a failure: recorded at once, never retried
+        elif meta.get("no_reward"):  # the functions' answer, not a failure: recorded at once, never retried
             self.counters["groups_no_reward"] += 1
-            self._record_failed(it, meta["failure"], "no_reward")
-            self._no_reward_run += 1
-            if self._no_reward_run >= self.plan.unique_prompts:
-                raise JobConfigError(
-                    f"rewards = {self.cfg.rewards}: returned None for every completion of the last "
-                    f"{self._no_reward_run} prompts, a whole generation cycle: nothing to train on (each recorded in "
-                    f"{self.out / 'failed_prompts.jsonl'}); allowed: reward functions that return a number for at "
-                    "least some completions (None skips a sample)")
-            return
-        self.counters["reward_failures"] += 1
-        if not self.source.retry(it.index, it.epoch):
-            self._record_failed(it, meta["failure"], "reward_error")
-            if sum(f.get("reason") != "no_reward" for f in self.failed) > max(4, len(self.table) // 4):
-                raise RuntimeError(f"{len(self.failed)} prompts failed permanently; last: {meta['failure']}")
-
-    def _record_failed(self, it: PromptItem, message: str, reason: str) -> None:
-        self.failed.append({"index": it.index, "epoch": it.epoch, "reason": reason, "message": message})
-        with open(self.out / "failed_prompts.jsonl", "a") as f:
-            f.write(json.dumps(self.failed[-1]) + "\n")
-
-    def _record_filtered(self, m: dict) -> None:
-        self.filtered_record.add(m["epoch"], m["index"])
-        self.filtered.append((m["epoch"], m["index"], m["version"]))
-
-    def _oversampled(self, U: int) -> bool:
-        return self.cfg.grpo.dynamic_sampling and self._sampled >= int(self.cfg.grpo.max_oversampling * U)
-
-    def _fill(self, U: int) -> int:
-        """The oversampling bound is reached: the batch is completed with the freshest filtered groups
-        (advantage 0: they add no gradient), or, without enough of them, more prompts are allowed."""
-        fresh = [(m, r) for m, r in self._filler if self.version - m["version"] <= self.k]
-        use = fresh[-(U - len(self.buffer)):] if fresh else []
-        for m, r in use:
-            self.buffer.add(m, r)
-        ids = {id(r) for _, r in use}
-        self._filler = [(m, r) for m, r in self._filler if id(r) not in ids]
-        if len(self.buffer) < U:  # every prompt failed or went stale: sample on rather than stall
-            self._sampled = 0
-        self.counters["groups_filled"] += len(use)
-        return len(use)
+            self.failures.no_reward(it.index, it.epoch, meta["failure"])
+        else:
+            self.counters["reward_failures"] += 1
+            if not self.source.retry(it.index, it.epoch):
+                self.failures.reward_error(it.index, it.epoch, meta["failure"])
 
     def _requeue_stale(self) -> None:
         for m in self.buffer.drop_stale(self.version):
             self.counters["stale_dropped"] += 1
             self.source.requeue(m["index"], m["epoch"])
 
-    def _publish(self) -> None:
-        """The learner's newest adapter to every worker; publish_latency_s: from its export to every worker
-        serving it. Prompts a worker that died on it held are handed out again."""
-        self.version, adapter_ref = self.learner.export_adapter()
-        exported = time.time()
-        sent = self.pool.send(self.version, adapter_ref)
-        if self.k > 0 and self.cycle + self.k + 1 < self.total_cycles:  # (not past the last cycle)
-            # the cycle k + 1 ahead goes out now, for this version: each worker starts it the moment it
-            # serves it, instead of idling for a round trip to here (an engine serving one version drains first)
-            self._gather(self.plan.unique_prompts * (self.k + 1), timeout=0.0)
-        for it in self.pool.wait_published(sent):
+    # Publishing waits for no generation: each worker loads the adapter between two engine steps while its requests
+    # run on, so every worker serves the new version before the next cycle begins (with max_staleness 0, before any
+    # of its prompts goes out).
+    def _send(self) -> tuple:
+        """The learner's newest adapter to every worker. -> (what was sent, the time of the export)."""
+        self.progress.version, adapter_ref = self.learner.export_adapter()
+        return self.pool.send(self.version, adapter_ref), time.time()
+
+    def _feed_ahead(self) -> None:
+        """max_staleness k >= 1: the cycle k + 1 ahead goes out now, for the version just sent: each worker starts
+        it the moment it serves it, instead of idling for a round trip to here (one serving one version drains
+        first). Not past the last cycle."""
+        k = self.cfg.cluster.max_staleness
+        if k > 0 and self.cycle + k + 1 < self.total_cycles:
+            self._gather(self.plan.unique_prompts * (k + 1), timeout=0.0)
+
+    def _await_published(self, sent: tuple) -> None:
+        """Every worker serves the version sent; prompts a worker that died on it held are handed out again."""
+        handed, exported = sent
+        for it in self.pool.wait_published(handed):
             self.source.requeue(it.index, it.epoch, front=True)
-        self._publish_latency = time.time() - exported
+        self.progress.publish_latency_s = time.time() - exported
 
     # ------------------------------------------------------------------------------ metrics
 
     def _rollout_stats(self) -> dict:
         return {"t": time.time(), "workers": {s["worker"]: s for s in self.pool.stats()}}
 
-    def _metrics(self, steps, batch, before, **times) -> list[dict]:
+    def _metrics(self, steps, batch, before, stage: Stages, sampled: dict) -> list[dict]:
         lags = Counter(self.version - 1 - m["version"] for m, _ in batch)
+        t = stage.seconds
         extra = {
-            "cycle": self.cycle, "generate_wait_s": times["wait_s"], "train_s": times["train_s"],
-            "publish_s": times["publish_s"],  # export + publish
-            "publish_latency_s": self._publish_latency,  # from the export to every worker serving it
-            "cycle_s": times["cycle_s"],
+            "cycle": self.cycle, "generate_wait_s": t["collect"], "train_s": t["train"],
+            "publish_s": t["publish"],  # export + publish
+            "publish_latency_s": self.progress.publish_latency_s, "cycle_s": time.time() - stage.t0,
             "queue_depth": len(self.buffer) + self.pool.in_flight(), "prompts_in_flight": self.pool.in_flight(),
             "staleness_hist": {str(k): v for k, v in sorted(lags.items())},
             **rollout_rates(before, self._rollout_stats()),
             **{f"count/{k}": v for k, v in self.counters.items()},
+            **(sampled if self.cfg.grpo.dynamic_sampling else {}),
         }
         return [dict(s, **extra) for s in steps]
+
+    def _record(self, steps: list[dict]) -> None:
+        """The eval when due (on the last step's line), the metrics lines, the checkpoint when due."""
+        if self.evaluator and self.evaluator.due(steps[0]["step"], steps[-1]["step"], self._done()):
+            steps[-1].update(self.evaluator.run(self.pool.ray, self.pool.serving(), self.version, steps[-1]["step"]))
+        self.log.write(steps)
+        if self.checkpoints.due([s["step"] for s in steps]):
+            self._save()
 
     # ------------------------------------------------------------------------------- control
 
@@ -358,20 +384,18 @@ class Controller:
         return {"cycle": self.cycle, "total_cycles": self.total_cycles, "version": self.version,
                 "workers": len(self.pool.slots) if self.pool else 0,
                 "target_workers": self.pool.target if self.pool else 0,
-                "in_flight": self.pool.in_flight() if self.pool else 0, "buffered": len(self.buffer),
-                "counters": dict(self.counters)}
+                "in_flight": self.pool.in_flight() if self.pool else 0,
+                "buffered": len(self.buffer) if self.buffer else 0, "counters": dict(self.counters)}
 
     # --------------------------------------------------------------------------- checkpoints
 
     def state(self) -> dict:
-        # Prompts in flight or buffered were not trained on: on resume they are handed out again.
+        """The parts' states. Prompts in flight or buffered were not trained on: on resume they are handed out
+        again (the source's state holds them)."""
         pending = [(it.index, it.epoch) for it in self.pool.pending_items()] + self.buffer.pending()
-        return {"fingerprint": self.fingerprint, "cursor": self.source.state(pending), "cycle": self.cycle,
-                "version": self.version,
-                "next_group_id": self.table.next_group_id, "trained": self.trained.state(), "failed": self.failed,
-                "filtered": self.filtered_record.state(),
-                "filler": [(m["epoch"], m["index"], m["version"]) for m, _ in self._filler],  # filtered too
-                "counters": dict(self.counters)}
+        return {"fingerprint": self.checkpoints.fingerprint, "source": self.source.state(pending),
+                "progress": self.progress.state(), "record": self.record.state(), "buffer": self.buffer.state(),
+                "failures": self.failures.state(), "counters": dict(self.counters)}
 
     @one_at_a_time
     def save_checkpoint(self) -> str:
@@ -385,57 +409,43 @@ class Controller:
     @one_at_a_time
     def resume(self) -> str | None:
         """Continue from the newest checkpoint that loads; the metrics of steps after it are cut from metrics.jsonl.
-        Each checkpoint skipped (newer than the one resumed from) is set aside as `<name>.refused` and named in
-        `self.notes`, as is a metrics line a crash cut (the driver prints them); when checkpoints exist and none
-        loads, the run is refused. -> the path resumed from, or None when there is no checkpoint."""
-        skipped = []
-        for ck, why in self.checkpoints.candidates():
-            if why is None:
-                meta = json.loads((ck / "tandem.json").read_text())
-                saved = meta["controller"].get("fingerprint")  # none in checkpoints older than fingerprints
-                changed = fingerprint_changes(saved, self.fingerprint) if saved else []
-                if changed and not self.cfg.checkpoint.allow_changed_job:
-                    raise JobConfigError(f"checkpoint.resume: {ck} was written by a different job: "
-                                         f"{'; '.join(changed)}; allowed: the same data, seed, model and training "
-                                         "settings, or checkpoint.allow_changed_job: true")
-                try:
-                    meta = self.learner.load_checkpoint(str(ck))
-                except Exception as e:  # noqa: BLE001 - a part DeepSpeed cannot read: the older one may do
-                    why = f"failed to load: {(str(e).strip().splitlines() or [type(e).__name__])[-1][:200]}"
-            if why is not None:
-                skipped.append((ck, why))
-                continue
-            self.notes = [f"checkpoint {c.name} skipped: {w}; kept as {self.checkpoints.set_aside(c).name}"
-                          for c, w in skipped]
-            self._restore(meta["controller"])
-            self.log.cut_back(meta["steps"])
-            self.notes += self.log.cut
-            return str(ck)
-        if skipped:
-            raise JobConfigError(f"checkpoint.resume: no checkpoint in {self.checkpoints.root} can be resumed from: " +
-                                 "; ".join(f"{ck.name} ({why})" for ck, why in skipped) +
-                                 "; allowed: repair or remove them, or logging.overwrite_output_dir: true to start over")
-        self.log.cut_back(0)  # steps a run that died before its first checkpoint logged are trained again
-        self.notes = self.log.cut
-        return None
+        Each checkpoint skipped (newer than the one resumed from) is set aside as `<name>.refused`; it and a metrics
+        line a crash cut are named in `resume_notes()`; when checkpoints exist and none loads, the run is refused.
+        -> the path resumed from, or None when there is no checkpoint."""
+        found = self.checkpoints.resume(self._load)
+        if found is None:
+            self.log.cut_back(0)  # steps a run that died before its first checkpoint logged are trained again
+            return None
+        path, meta = found
+        self.log.cut_back(meta["steps"])
+        return str(path)
+
+    def resume_notes(self) -> list[str]:
+        return self.checkpoints.skipped + self.log.cut
+
+    def _load(self, ck: Path) -> dict:
+        """One checkpoint into the learner and the parts (raises when it was written by another job)."""
+        saved = json.loads((ck / "tandem.json").read_text())["controller"].get("fingerprint")
+        changed = fingerprint_changes(saved, self.checkpoints.fingerprint) if saved else []  # none in old ones
+        if changed and not self.cfg.checkpoint.allow_changed_job:
+            raise JobConfigError(f"checkpoint.resume: {ck} was written by a different job: {'; '.join(changed)}; "
+                                 "allowed: the same data, seed, model and training settings, or "
+                                 "checkpoint.allow_changed_job: true")
+        meta = self.learner.load_checkpoint(str(ck))
+        self._restore(meta["controller"])
+        return meta
 
     def _restore(self, st: dict) -> None:
-        self.source.load(st["cursor"])
-        self.cycle, self.version, self.table.next_group_id = st["cycle"], st["version"], st["next_group_id"]
-        n = len(self.table)
-        if "trained" in st:
-            self.trained.load(st["trained"])
-            self.filtered_record.load(st["filtered"])
-            for e, i, v in st["filler"]:
-                self._record_filtered({"epoch": e, "index": i, "version": v})
-        else:  # a checkpoint from before the records: lists of (epoch, index, version)
-            self.trained = EpochRecord.from_pairs(n, st["seen"])
-            self.filtered_record = EpochRecord.from_pairs(n, st.get("filtered", []), "filtered")
-        self.failed = st["failed"]
+        st = parts_state(st, len(self.table))
+        self.source.load(st["source"])
+        self.progress.load(st["progress"])
+        self.record.load(st["record"])
+        self.buffer.load(st["buffer"])
+        self.failures.load(st["failures"])
         self.counters.clear()
         self.counters.update(st["counters"])
         if self.version > 0:
-            self._publish()
+            self._await_published(self._send())
 
     @one_at_a_time
     def shutdown(self) -> None:
@@ -446,3 +456,21 @@ class Controller:
             self.log.trackers.close()
         if self.learner is not None:
             self.learner.shutdown()
+
+
+def parts_state(st: dict, rows: int) -> dict:
+    """A checkpoint's controller state by part. Older checkpoints kept one flat dict (and before that, lists of
+    the trained and filtered groups instead of EpochRecords)."""
+    if "progress" in st:
+        return st
+    trained = st["trained"] if "trained" in st else EpochRecord.from_pairs(rows, st["seen"]).state()
+    filtered = (EpochRecord.from_pairs(rows, st.get("filtered", []), "filtered") if "trained" not in st
+                else EpochRecord(rows, "filtered"))
+    if "trained" in st:
+        filtered.load(st["filtered"])
+    for e, i, _ in st.get("filler", []):
+        filtered.add(e, i)
+    return {"source": dict(st["cursor"], next_group_id=st["next_group_id"]),
+            "progress": {"cycle": st["cycle"], "version": st["version"]}, "record": {"trained": trained},
+            "buffer": {"filtered": filtered.state()}, "failures": {"failed": st["failed"]},
+            "counters": st["counters"]}

@@ -6,7 +6,7 @@ checkpoint). Using a prompt twice in one epoch is a bug in the controller: it ra
 from __future__ import annotations
 
 import base64
-from collections import Counter
+from collections import Counter, deque
 
 import numpy as np
 
@@ -60,3 +60,24 @@ class EpochRecord:
         for e, i, *_ in pairs:
             r.add(int(e), int(i))
         return r
+
+
+class TrainedRecord:
+    """What the learner trained on: the prompts used per epoch (an EpochRecord), and the latest groups with the
+    policy version that sampled each (for the metrics and a reader)."""
+
+    TRANSIENT = ("recent",)  # in memory only: after a resume it holds what this process trained
+
+    def __init__(self, rows: int, recent: int = 4096):
+        self.epochs = EpochRecord(rows, "trained on")
+        self.recent: deque = deque(maxlen=recent)  # (epoch, index, version)
+
+    def add(self, epoch: int, index: int, version: int) -> None:
+        self.epochs.add(epoch, index)
+        self.recent.append((epoch, index, version))
+
+    def state(self) -> dict:
+        return {"trained": self.epochs.state()}
+
+    def load(self, st: dict) -> None:
+        self.epochs.load(st["trained"])

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from tandem.core.protocol import RolloutGroup
+from tandem.core.shaping import total_rewards
 from tandem.rollout.engines.base import Sampling
 
 
@@ -25,9 +26,8 @@ def eval_stats(rewards: np.ndarray, lengths: np.ndarray, eos: np.ndarray, weight
     eos [N]. The reward of a completion is the weighted sum of its functions' (None counts 0), as in
     training; completions no function scored are left out of eval/reward."""
     r = np.asarray(rewards, dtype=np.float64)
-    w = np.ones(r.shape[1]) if weights is None else np.asarray(weights, dtype=np.float64)
-    valid = ~np.isnan(r).all(axis=1)
-    total = np.nansum(r * w, axis=1)[valid]
+    total, valid = total_rewards(r, weights)
+    total = total[valid]
     out = {
         "eval/reward": float(total.mean()) if len(total) else 0.0,
         "eval/reward_std": float(total.std(ddof=1)) if len(total) > 1 else 0.0,

@@ -13,12 +13,19 @@ MAX_REWARD_RETRIES = 1  # a prompt whose reward function failed is retried once,
 
 
 class PromptSource:
-    def __init__(self, n: int, seed: int, shuffle: bool = True):
-        self.n, self.seed, self.shuffle = n, seed, shuffle
+    """table: the PromptTable whose rows it hands out (`next_item`); without one, `next` gives (index, epoch)."""
+
+    TRANSIENT = ("retries", "_order")  # retry counts start again on resume; the order is recomputed
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True, table: PromptTable | None = None):
+        self.n, self.seed, self.shuffle, self.table = n, seed, shuffle, table
         self.epoch, self.pos = 0, 0
         self.requeued: deque = deque()  # (dataset index, epoch), handed out before new ones
         self.retries: Counter = Counter()
         self._order: tuple[int, np.ndarray] | None = None
+
+    def next_item(self) -> PromptItem:
+        return self.table.item(*self.next())
 
     def order(self, epoch: int) -> np.ndarray:
         if self._order is None or self._order[0] != epoch:
@@ -49,12 +56,15 @@ class PromptSource:
 
     def state(self, pending: list[tuple[int, int]] = ()) -> dict:
         """`pending`: prompts handed out but not trained: handed out again first on resume."""
-        return {"epoch": self.epoch, "pos": self.pos,
-                "requeued": [list(p) for p in pending] + [list(x) for x in self.requeued]}
+        st = {"epoch": self.epoch, "pos": self.pos,
+              "requeued": [list(p) for p in pending] + [list(x) for x in self.requeued]}
+        return st if self.table is None else dict(st, next_group_id=self.table.next_group_id)
 
     def load(self, st: dict) -> None:
         self.epoch, self.pos = st["epoch"], st["pos"]
         self.requeued = deque(tuple(x) for x in st["requeued"])
+        if self.table is not None:
+            self.table.next_group_id = st["next_group_id"]
 
 
 class PromptTable:

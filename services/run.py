@@ -110,10 +110,9 @@ def start_controller(ray, cfg, resource_wait_s: float = 0.0, out=None):
     if not name_is_free(ray, name):
         raise JobConfigError(f"logging.output_dir = {cfg.logging.output_dir!r}: a job writing there is already "
                              "running on this Ray cluster; allowed: a run directory no running job uses")
-    ctl = ray.remote(num_cpus=0, max_concurrency=2)(Controller).options(
-        name=name, namespace=NAMESPACE).remote(cfg, own_process=True)
+    ctl = ray.remote(num_cpus=0, max_concurrency=2)(Controller).options(name=name, namespace=NAMESPACE).remote(cfg)
     try:  # waited for: a threaded actor does not keep its calls in order
-        wait_reporting(ray, cfg, ctl.setup.remote(resource_wait_s), resource_wait_s, out)
+        wait_reporting(ray, cfg, ctl.setup.remote(resource_wait_s, own_process=True), resource_wait_s, out)
     except Exception:
         stop_controller(ray, ctl)  # what its setup started (engines, reward processes) goes first
         raise
@@ -313,11 +312,10 @@ def run_job(cfg, address: str | None = None, out=None) -> int:
 def _run_job(cfg, ray, address: str | None, out, t_start: float) -> int:
     from tqdm import tqdm
 
-    from tandem.services.plot import plot_run, read_metrics
-
     wait_s = RESOURCE_WAIT_S if address else 0.0
+    ctl = None
     try:
-        ctl = start_controller(ray, cfg, wait_s, out)
+        ctl = start_controller(ray, cfg, wait_s, out)  # stops what it started when it fails
         if cfg.checkpoint.resume:
             resume_job(ray, ctl, out, none=f"checkpoint.resume: no checkpoint to resume from in {cfg.checkpoint_dir}; "
                                           "starting at step 0")
@@ -326,6 +324,10 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float) -> int:
     except KeyboardInterrupt:  # nothing trained by this process yet: the actors go with it, the checkpoints stay
         print("\ninterrupted while starting: no step trained since the newest checkpoint; stopping", file=out)
         return 130
+    except Exception:  # a refused resume: the actors stopped in order, nothing trained, nothing cut
+        if ctl is not None:
+            stop_controller(ray, ctl)
+        raise
     bar = tqdm(total=total, initial=cycle0, desc="GRPO", unit="cycle", disable=not cfg.logging.progress, file=out)
     restarts = 0
     try:
@@ -363,6 +365,15 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float) -> int:
         path = ray.get(ctl.save_checkpoint.remote())
         artifact = publish_artifact(Path(path), Path(cfg.logging.output_dir))
     stop_controller(ray, ctl)
+    print_summary(cfg, out, path, artifact, t_start)
+    return 0
+
+
+def print_summary(cfg, out, path: str | None, artifact: Path | None, t_start: float) -> None:
+    """What the run did, from its record: the reward at the start and the end, the evaluations, the steps
+    trained, where the metrics, the plot, the checkpoint and the artifact are."""
+    from tandem.services.plot import plot_run, read_metrics
+
     out_dir = Path(cfg.logging.output_dir)
     png = plot_run(out_dir / "metrics.jsonl", out_dir / "reward.png")
     lines = read_metrics(out_dir / "metrics.jsonl")
@@ -385,7 +396,6 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float) -> int:
               f"LoRARequest('tandem', 1, {str(artifact)!r}), or `tandem export {out_dir} --merged DIR`", file=out)
     elif artifact is not None:
         print(f"model: {artifact} (transformers): AutoModelForCausalLM.from_pretrained({str(artifact)!r})", file=out)
-    return 0
 
 
 def root_cause(e: BaseException) -> BaseException:
@@ -429,7 +439,7 @@ def resume_job(ray, ctl, out, none: str) -> None:
     metrics line a crash cut) is named here, then the one resumed from, or `none`. A run whose checkpoints all fail
     raises (JobConfigError)."""
     resumed = ray.get(ctl.resume.remote())
-    for note in ray.get(ctl.__ray_call__.remote(lambda self: self.notes)):
+    for note in ray.get(ctl.resume_notes.remote()):
         print(f"tandem: {note}", file=out)
     print(f"resumed from checkpoint: {resumed}" if resumed else none, file=out)
 

@@ -1,6 +1,6 @@
 """vLLM in-process engine (CPU or GPU): token-id prompts, processed log-probs, one LoRARequest id
 per adapter version loaded from the learner's tensors (no weight files), full-weight reload with the
-tied-lm_head re-pack (ENGINES.md)."""
+tied-lm_head re-pack (vLLM's CPU backend keeps a pre-packed lm_head: tandem_load_weights)."""
 
 from __future__ import annotations
 

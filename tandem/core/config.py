@@ -1,4 +1,4 @@
-"""The job description: every GRPO parameter with the exact name and default of spec/GRPO.md.
+"""The job description: every GRPO parameter with the exact name and default of docs/grpo.md.
 
 Pure on purpose (pydantic + yaml only, no disk, no user code, no CUDA probe): rollout, learner and
 every CLI command import it, and a job validates the same on a laptop as on the cluster. Every
@@ -82,7 +82,7 @@ class DataConfig(_Section):
 
 
 class GenerationConfig(_Section):
-    """Sampling parameters (spec §2), the same on the vLLM and transformers engines."""
+    """Sampling parameters (docs/grpo.md §2), the same on the vLLM and transformers engines."""
 
     temperature: float = Field(1.0, gt=0, le=100, description="sampling temperature; log-probs use it too")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass, in (0, 1]")
@@ -97,7 +97,7 @@ class GenerationConfig(_Section):
 
 
 class BatchConfig(_Section):
-    """Batch arithmetic (spec §3); `tandem plan` prints what it means."""
+    """Batch arithmetic (docs/grpo.md §3); `tandem plan` prints what it means."""
 
     per_device_train_batch_size: int = Field(8, ge=1, description="samples per process per micro-step")
     gradient_accumulation_steps: int = Field(1, ge=1, description="micro-steps per optimizer step")
@@ -121,7 +121,7 @@ class BatchConfig(_Section):
 
 
 class GRPOConfig(_Section):
-    """The loss (spec §1, §4)."""
+    """The loss (docs/grpo.md §1, §4)."""
 
     beta: float = Field(0.0, ge=0, description="KL coefficient; 0 = no reference model")
     num_iterations: int = Field(1, ge=1, description="PPO epochs per generation batch (mu)")
@@ -470,7 +470,7 @@ def resolve_batch(b: BatchConfig, num_iterations: int, num_processes: int) -> No
     if ebs % G and per < G:
         warnings.warn(
             f"batch.per_device_train_batch_size = {per} raised to num_generations = {G}: "
-            f"effective_batch_size {ebs} was not divisible by {G} (spec §3)",
+            f"effective_batch_size {ebs} was not divisible by {G} (docs/grpo.md §3)",
             JobConfigWarning,
             stacklevel=3,
         )

@@ -1,4 +1,4 @@
-"""The batch plan (spec §3): one implementation, used by `tandem plan` and by the learner.
+"""The batch plan (docs/grpo.md §3): one implementation, used by `tandem plan` and by the learner.
 
 A generation batch holds `unique_prompts` groups of `num_generations` contiguous samples.
 Micro-step k of a cycle takes samples [k·P·B, (k+1)·P·B), split contiguously by process;

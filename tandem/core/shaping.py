@@ -17,13 +17,25 @@ def overlong_penalty(lengths, max_completion_length: int, buffer_len: int, facto
     return np.minimum(-over / buffer_len * factor, 0.0)
 
 
-def group_total_rewards(rewards, reward_weights=None, penalty=None) -> np.ndarray:
-    """[G, F] per-function rewards (NaN = None) -> the weighted total of each completion that some
-    function scored (+ the overlong penalty), float64 — what advantages are computed from."""
+def total_rewards(rewards, reward_weights=None) -> tuple[np.ndarray, np.ndarray]:
+    """The reward of a completion, the one definition (training's advantages, dynamic sampling's filter and the
+    evaluation use it): [N, F] per-function rewards (NaN = the function returned None) -> (the weighted sum of
+    the functions' rewards, None counting 0, float64 [N]; valid [N]: some function scored it). TRL's
+    GRPOTrainer: nansum(rewards_per_func * reward_weights)."""
     r = np.asarray(rewards, dtype=np.float64)
+    if r.ndim == 1:
+        r = r[:, None]
     w = np.ones(r.shape[1]) if reward_weights is None else np.asarray(reward_weights, dtype=np.float64)
-    valid = ~np.isnan(r).all(axis=1)
-    total = np.nansum(r * w, axis=1) + (0.0 if penalty is None else np.asarray(penalty, dtype=np.float64))
+    if w.shape != (r.shape[1],):
+        raise ValueError(f"total_rewards: {len(w)} reward_weights for {r.shape[1]} reward columns")
+    return np.nansum(r * w, axis=1), ~np.isnan(r).all(axis=1)
+
+
+def group_total_rewards(rewards, reward_weights=None, penalty=None) -> np.ndarray:
+    """[G, F] per-function rewards (NaN = None) -> the total of each completion that some function scored
+    (+ the overlong penalty), float64 — what advantages are computed from."""
+    total, valid = total_rewards(rewards, reward_weights)
+    total = total + (0.0 if penalty is None else np.asarray(penalty, dtype=np.float64))
     return total[valid]
 
 

@@ -61,7 +61,7 @@ UNSUPPORTED_NEUTRAL: dict[str, Any] = {
 # Only matter with a reference model (beta > 0): accepted at any value when beta is 0.
 REFERENCE_ONLY = {"use_bias_correction_kl": False, "ref_model_mixup_alpha": 0.6, "ref_model_sync_steps": 512}
 
-# TRL 1.16's defaults where Tandem's own (spec/GRPO.md) differ: a TRL dict that leaves one out means TRL's.
+# TRL 1.16's defaults where Tandem's own (docs/grpo.md) differ: a TRL dict that leaves one out means TRL's.
 TRL_DEFAULTS: dict[str, Any] = {
     "vllm_importance_sampling_mode": "sequence_mask", "vllm_importance_sampling_clip_max": 3.0,
     "max_completion_length": 512, "gradient_checkpointing": True, "save_steps": 500,
@@ -95,59 +95,9 @@ _ADAMW_8BIT = {"adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adamw_bnb
 
 
 def trl_to_sections(flat: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    unsupported: list[str] = []
-    ignored: list[str] = []
-
-    def put(section: str, field: str, value: Any) -> None:
-        if section:
-            out.setdefault(section, {})[field] = value
-        else:
-            out[field] = value
-
-    flat = {**{k: v for k, v in TRL_DEFAULTS.items() if k not in flat}, **flat}
-    if flat.get("top_k") == 0:  # TRL's "off"
-        flat["top_k"] = None
-    if "vllm_importance_sampling_cap" in flat:  # deprecated in TRL for clip_max: one of the two decides
-        cap = flat.pop("vllm_importance_sampling_cap")
-        if cap is not None:
-            flat["vllm_importance_sampling_clip_max"] = cap
-    no_reference = not flat.get("beta")
-    if flat.get("use_vllm") is False:  # TRL corrects only what vLLM sampled
-        flat["vllm_importance_sampling_correction"] = False
-    for name, value in flat.items():
-        if name in REFERENCE_ONLY:
-            if not (no_reference or value == REFERENCE_ONLY[name]):
-                unsupported.append(f"{name}={value!r} (with beta > 0)")
-        elif name in KNOWN:
-            put(*KNOWN[name], value)
-        elif name in ("bf16", "fp16"):
-            if value:
-                put("model", "dtype", "bfloat16" if name == "bf16" else "float16")
-        elif name in ("eval_strategy", "evaluation_strategy"):
-            if value not in ("no", "steps"):
-                unsupported.append(f"{name}={value!r} (allowed: 'steps', 'no')")
-        elif name in ("eval_steps", "num_generations_eval", "eval_on_start"):
-            pass  # read with eval_strategy below
-        elif name == "save_strategy":
-            if value not in ("steps", "no"):
-                unsupported.append(f"save_strategy={value!r} (allowed: 'steps', 'no')")
-        elif name == "optim":
-            if value in _ADAMW_8BIT:
-                warnings.warn(f"optim = {value!r}: Tandem runs 32-bit AdamW (same update, more memory)",
-                              UserWarning, stacklevel=3)
-            elif value not in _ADAMW:
-                unsupported.append(f"optim={value!r} (allowed: {sorted(_ADAMW | _ADAMW_8BIT)})")
-        elif name == "generation_batch_size":
-            if value is not None:
-                out["_generation_batch_size"] = value
-        elif name in UNSUPPORTED_NEUTRAL:
-            if value != UNSUPPORTED_NEUTRAL[name]:
-                unsupported.append(f"{name}={value!r}")
-        elif name in COSMETIC:
-            ignored.append(name)
-        else:
-            unsupported.append(f"{name}={value!r} (unknown GRPOConfig name)")
+    """A flat TRL GRPOConfig dict -> Tandem's job sections (unsupported names refused, cosmetic ones warned)."""
+    flat = _normalised(flat)
+    out, unsupported, ignored = _sections(flat)
     if not unsupported:
         out.setdefault("eval", {}).update(_eval_section(flat))
     if flat.get("save_strategy") == "no":  # after the loop: save_steps may come later in the dict
@@ -171,6 +121,69 @@ def trl_to_sections(flat: dict[str, Any]) -> dict[str, Any]:
             )
         b["steps_per_generation"] = gbs // per
     return out
+
+
+def _normalised(flat: dict[str, Any]) -> dict[str, Any]:
+    """TRL's defaults for what the dict leaves out, and TRL's own aliases read as TRL reads them."""
+    flat = {**{k: v for k, v in TRL_DEFAULTS.items() if k not in flat}, **flat}
+    if flat.get("top_k") == 0:  # TRL's "off"
+        flat["top_k"] = None
+    if "vllm_importance_sampling_cap" in flat:  # deprecated in TRL for clip_max: one of the two decides
+        cap = flat.pop("vllm_importance_sampling_cap")
+        if cap is not None:
+            flat["vllm_importance_sampling_clip_max"] = cap
+    if flat.get("use_vllm") is False:  # TRL corrects only what vLLM sampled
+        flat["vllm_importance_sampling_correction"] = False
+    return flat
+
+
+def _sections(flat: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[str]]:
+    """-> (Tandem's sections, names refused, names ignored)."""
+    out: dict[str, Any] = {}
+    unsupported: list[str] = []
+    ignored: list[str] = []
+
+    def put(section: str, field: str, value: Any) -> None:
+        if section:
+            out.setdefault(section, {})[field] = value
+        else:
+            out[field] = value
+
+    no_reference = not flat.get("beta")
+    for name, value in flat.items():
+        if name in REFERENCE_ONLY:
+            if not (no_reference or value == REFERENCE_ONLY[name]):
+                unsupported.append(f"{name}={value!r} (with beta > 0)")
+        elif name in KNOWN:
+            put(*KNOWN[name], value)
+        elif name in ("bf16", "fp16"):
+            if value:
+                put("model", "dtype", "bfloat16" if name == "bf16" else "float16")
+        elif name in ("eval_strategy", "evaluation_strategy"):
+            if value not in ("no", "steps"):
+                unsupported.append(f"{name}={value!r} (allowed: 'steps', 'no')")
+        elif name in ("eval_steps", "num_generations_eval", "eval_on_start"):
+            pass  # read with eval_strategy (_eval_section)
+        elif name == "save_strategy":
+            if value not in ("steps", "no"):
+                unsupported.append(f"save_strategy={value!r} (allowed: 'steps', 'no')")
+        elif name == "optim":
+            if value in _ADAMW_8BIT:
+                warnings.warn(f"optim = {value!r}: Tandem runs 32-bit AdamW (same update, more memory)",
+                              UserWarning, stacklevel=4)
+            elif value not in _ADAMW:
+                unsupported.append(f"optim={value!r} (allowed: {sorted(_ADAMW | _ADAMW_8BIT)})")
+        elif name == "generation_batch_size":
+            if value is not None:
+                out["_generation_batch_size"] = value
+        elif name in UNSUPPORTED_NEUTRAL:
+            if value != UNSUPPORTED_NEUTRAL[name]:
+                unsupported.append(f"{name}={value!r}")
+        elif name in COSMETIC:
+            ignored.append(name)
+        else:
+            unsupported.append(f"{name}={value!r} (unknown GRPOConfig name)")
+    return out, unsupported, ignored
 
 
 def _eval_section(flat: dict[str, Any]) -> dict[str, Any]:

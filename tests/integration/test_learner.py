@@ -71,7 +71,7 @@ def test_accumulation_matches_whole_batch(tmp_path, tiny_model, loss_type, zero)
 @pytest.mark.parametrize("level,mu", [("token", 2), ("sequence", 2), ("token", 1), ("sequence", 1)])
 def test_all_loss_terms_match_whole_batch(tmp_path, tiny_model, level, mu):
     """KL to the adapter-free reference, TIS, two-sided clipping, delta, temperature, two PPO epochs:
-    the learner's micro-batched path (the fused loss for token level) == spec §4 on the whole batch.
+    the learner's micro-batched path (the fused loss for token level) == docs/grpo.md §4 on the whole batch.
     mu = 1: one optimizer step per cycle, so no separate old-log-prob forward (TIS from the training pass)."""
     groups = make_groups(2, 4, seed=11)
     cfg = job(tmp_path, tiny_model, per=4, ga=2, spg=2, mu=mu,
@@ -96,7 +96,7 @@ def test_zero3_with_reference_and_two_epochs_matches_whole_batch(tmp_path, tiny_
     params = lr.trainable_parameters()
     close(params, reference_step(cfg, groups, LR, iterations=2))
     # what the rollout workers receive: the whole adapter, not this rank's partition
-    sd = lr._gathered_state()
+    sd = lr.gathered_state()
     assert sd
     close({k: v.float() for k, v in sd.items()}, {k: params[k.replace(".weight", ".default.weight")] for k in sd})
 

@@ -1,4 +1,4 @@
-"""The package layout holds by construction: imports go one way (DESIGN.md), core stays light."""
+"""The package layout holds by construction: imports go one way (README: Architecture), core stays light."""
 
 import ast
 import subprocess

@@ -66,7 +66,7 @@ def test_batch_raised_to_num_generations(job_files):
 
 
 def test_seed_example_3_keeps_three(job_files):
-    # 4 × 1 × 3 = 12 divisible by 4: stays 3 (spec §3)
+    # 4 × 1 × 3 = 12 divisible by 4: stays 3 (docs/grpo.md §3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cfg = load(job_files, ["batch.num_generations=4", "batch.per_device_train_batch_size=3",

@@ -1,12 +1,14 @@
-"""GRPO loss vs an independent float64 implementation written from spec §4, loop by loop."""
+"""GRPO loss vs an independent float64 implementation written from docs/grpo.md §4, loop by loop."""
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
 
 from tandem.learner.loss import aggregate_loss, loss_metrics, per_token_loss
+from tests.helpers import ROOT
 
 B, T, L_MAX = 5, 6, 8
 
@@ -207,3 +209,15 @@ def test_metrics_hand_computed():
     assert m["tis/weight_max"] == pytest.approx(2.0) and m["tis/weight_min"] == pytest.approx(1.0)
     assert m["tis/weight_mean"] == pytest.approx(5 / 4) and m["tis/capped_frac"] == 0.25
     assert m["entropy"] == pytest.approx(math.log(10), rel=1e-6)
+
+
+def test_the_kernels_plain_defaults_are_the_job_schemas():
+    """The kernels import no config; their keyword defaults are the spec's, as the job schema holds them."""
+    from tandem.core.config import GRPOConfig
+    from tandem.kernels import logprobs as k
+
+    g = GRPOConfig()
+    assert (k.EPSILON, k.EPSILON_HIGH, k.DELTA, k.BETA) == (g.epsilon, g.epsilon_high, g.delta, g.beta)
+    src = (ROOT / "kernels").glob("*.py")
+    imports = re.compile(r"^\s*(from|import) tandem\.core", re.M)
+    assert not [f.name for f in src if imports.search(f.read_text())], "a kernel imports the job's config"

@@ -9,7 +9,7 @@ import pytest
 from tandem.core.plan import BatchPlan, table
 from tests.helpers import ROOT
 
-# spec §3 table: (per_device, GA, steps_per_gen, num_gen) -> cycle A batches, optimizer steps after
+# docs/grpo.md §3 table: (per_device, GA, steps_per_gen, num_gen) -> cycle A batches, optimizer steps after
 SPEC = {
     1: ((3, 2, 4, 3), ["[0,0,0]", "[1,1,1]", "[2,2,2]", "[3,3,3]"], [1, 3]),
     2: ((3, 4, 4, 3), ["[0,0,0]", "[1,1,1]", "[2,2,2]", "[3,3,3]"], [3]),

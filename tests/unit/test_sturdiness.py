@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from tandem.core.config import JobConfig, JobConfigError
-from tandem.learner.actor import load_rng, save_rng
+from tandem.learner.checkpoint_io import load_rng, save_rng
 from tandem.services.checkpointer import Checkpointer, fingerprint, fingerprint_changes
 from tandem.services.data import DataError, load_rows
 from tandem.services.run import sigterm_as_interrupt

@@ -1,0 +1,93 @@
+"""The learner's metrics: each loss metric's reduction over micro-steps and ranks, by an explicit table (a
+renamed metric must be listed again: its spelling decides nothing), and the generation batch's statistics."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from tandem.learner.advantages import total_rewards
+from tandem.learner.batch import Samples
+
+# how a loss metric (learner.loss.loss_metrics) becomes one number per optimizer step: "mean" is weighted by the
+# tokens of each micro-step (every rank's), "min"/"max" over them; "sum" adds
+REDUCTIONS = {
+    "clip_ratio/low_mean": "mean", "clip_ratio/high_mean": "mean", "clip_ratio/region_mean": "mean",
+    "kl": "mean", "entropy": "mean",
+    "tis/weight_mean": "mean", "tis/weight_min": "min", "tis/weight_max": "max", "tis/capped_frac": "mean",
+    "tis/sampler_abs_diff_mean": "mean",
+    "tokens": "sum",
+}
+
+
+def accumulate(acc: dict, m: dict) -> None:
+    """One micro-step's metrics into the step's accumulator: token-weighted sums, running min and max."""
+    n = m["tokens"]
+    for k, v in m.items():
+        how = REDUCTIONS.get(k)
+        if how is None:
+            raise KeyError(f"learner metric {k!r} has no reduction in tandem.learner.metrics.REDUCTIONS; allowed: "
+                           f"add it there as mean, min, max or sum")
+        if how == "sum":
+            acc[k] = acc.get(k, 0.0) + v
+        elif how == "mean":
+            acc[k] = acc.get(k, 0.0) + v * n
+        elif how == "min":
+            acc[k] = min(acc.get(k, math.inf), v if n else math.inf)
+        else:
+            acc[k] = max(acc.get(k, -math.inf), v if n else -math.inf)
+
+
+def reduce_metrics(acc: dict, loss_sum: float, world: int = 1, device="cpu") -> dict:
+    """The step's metrics over every rank: token-weighted means, min, max and sums, the summed loss."""
+    by = {how: sorted(k for k in acc if REDUCTIONS[k] == how) for how in ("mean", "min", "max", "sum")}
+    summed = by["mean"] + by["sum"]
+    vec = torch.tensor([acc[k] for k in summed] + [loss_sum], dtype=torch.float64, device=device)  # NCCL: GPU tensors
+    extremes = {how: {k: acc[k] for k in by[how]} for how in ("min", "max")}
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(vec)
+        for how, op in (("min", dist.ReduceOp.MIN), ("max", dist.ReduceOp.MAX)):
+            d = extremes[how]
+            if d:
+                t = torch.tensor(list(d.values()), dtype=torch.float64, device=device)
+                dist.all_reduce(t, op=op)
+                d.update(zip(d, t.tolist()))
+    vals = dict(zip(summed, vec.tolist()))
+    tokens = max(vals.get("tokens", 0.0), 1.0)
+    out = {k: vals[k] / tokens for k in by["mean"]} | {k: vals[k] for k in by["sum"] if k != "tokens"}
+    # an all-masked step has no min/max: report 0 rather than inf
+    out.update({k: (v if math.isfinite(v) else 0.0) for k, v in (extremes["min"] | extremes["max"]).items()})
+    out["loss"] = vec[-1].item()
+    out["tokens"] = tokens
+    return out
+
+
+def rollout_stats(s: Samples, G: int, weights, version: int, rewards: np.ndarray | None = None) -> dict:
+    """Reward and completion statistics of the generation batch (docs/grpo.md §5). `rewards`: the columns trained
+    on (the functions', plus the overlong penalty when on); default the functions'."""
+    rewards = s.rewards if rewards is None else rewards
+    r, valid = total_rewards(torch.from_numpy(rewards), weights)
+    r = r[valid]
+    lengths = np.array([len(c) for c in s.completions])
+    grp = torch.from_numpy(rewards).nan_to_num(0.0).sum(1).view(-1, G)
+    out = {
+        "reward": float(r.mean()) if len(r) else 0.0,
+        "reward_std": float(r.std()) if len(r) > 1 else 0.0,
+        "frac_reward_zero_std": float((grp.max(1).values == grp.min(1).values).float().mean()),
+        "completion_length": float(lengths.mean()),
+        "completion_length_min": float(lengths.min()),
+        "completion_length_max": float(lengths.max()),
+        "frac_truncated": float(1 - s.eos.mean()),
+        "version_lag": float(np.mean(version - s.versions)),
+        "version_lag_max": float(np.max(version - s.versions)),
+    }
+    for f in range(rewards.shape[1]):
+        col = rewards[:, f]
+        col = col[~np.isnan(col)]
+        out[f"rewards/{f}/mean"] = float(col.mean()) if len(col) else 0.0
+        out[f"rewards/{f}/std"] = float(col.std(ddof=1)) if len(col) > 1 else 0.0
+    return out
