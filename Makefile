@@ -35,4 +35,4 @@ clean:
 demo: install
 	$(BIN)/python examples/sevens/prepare.py runs/sevens
 	rm -rf runs/sevens/metrics.jsonl runs/sevens/checkpoints runs/sevens/eval
-	$(BIN)/python -m tandem.services.demo examples/sevens.yaml
+	$(BIN)/python -m tandem.services.devtools.demo examples/sevens.yaml

@@ -53,7 +53,7 @@ KEYS = ("s_per_step", "gen_s_per_step", "train_s_per_step", "completions_per_s",
 
 def prepare(work: Path, wl: dict) -> dict:
     """Model, tokenizer and prompts under `work` (built once, reused by every candidate)."""
-    from tandem.rollout.tiny_model import build_tiny_model
+    from tandem.services.devtools.tiny_model import build_tiny_model
 
     work.mkdir(parents=True, exist_ok=True)
     m = wl["model"]
@@ -161,7 +161,7 @@ def tandem_config(paths, wl, k, args, mode="server", vllm=True):
 def run_tandem(paths, wl, k, args, mode="server", vllm=True) -> dict:
     import shutil
 
-    from tandem.services.run import start_controller, start_ray
+    from tandem.services.app.run import start_controller, start_ray
 
     gpu = args.workload == "gpu"
     cfg = tandem_config(paths, wl, k, args, mode, vllm)

@@ -46,8 +46,8 @@ def main():
 
     from tandem.rollout.prompts import tokenize_prompt
     from tandem.rollout.worker import RolloutWorker
-    from tandem.services.data import load_rows
-    from tandem.services.prompt_source import PromptTable
+    from tandem.services.orchestrator.data import load_rows
+    from tandem.services.orchestrator.prompt_source import PromptTable
 
     t = time.time()
     w = RolloutWorker(cfg, 0)

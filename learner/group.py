@@ -25,7 +25,7 @@ def learner_actor_class(cfg, cls):
 
 
 # the learner's remote interface, declared once: what LearnerGroup calls on a rank, forwarded to the Learner by
-# LearnerActor and by the colocated actor (services/colocated.py, each as learner_<name>)
+# LearnerActor and by the colocated actor (services/orchestrator/colocated.py, each as learner_<name>)
 LEARNER_METHODS = ("placement", "setup", "train", "export_adapter", "save_checkpoint", "load_checkpoint",
                    "trainable_parameters")
 

@@ -36,14 +36,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    from tandem.rollout.tiny_model import build_tiny_model
+    from tandem.services.devtools.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", layers=2, hidden=64, vocab=512, seed=0))
 
 
 @pytest.fixture(scope="session")
 def tied_model(tmp_path_factory):
-    from tandem.rollout.tiny_model import build_tiny_model
+    from tandem.services.devtools.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tied") / "model", layers=1, hidden=64, vocab=512, seed=1,
                                 tie_word_embeddings=True))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.rollout.tiny_model import build_tiny_model
+from tandem.services.devtools.tiny_model import build_tiny_model
 
 PROMPTS = ["write a number", "say some digits", "give me digits", "a number please", "digits", "count"]
 

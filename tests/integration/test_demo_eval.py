@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tandem.core.config import JobConfig
-from tandem.services.controller import Controller
+from tandem.services.orchestrator.controller import Controller
 from tests.helpers import ROOT
 from tests.helpers.learner import started
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 SCRIPT = """
 import os, subprocess, sys, psutil, ray
 from tandem.core.config import JobConfig
-from tandem.services.run import NAMESPACE, RAY_ADDRESS_FILE, controller_name, start_ray
+from tandem.services.app.run import NAMESPACE, RAY_ADDRESS_FILE, controller_name, start_ray
 cfg = JobConfig.from_dict({"model": {"path": "m"}, "data": {"path": "d.jsonl"}, "rewards": ["r.py:f"]})
 start_ray(None, cfg)
 @ray.remote(num_cpus=0)
@@ -27,7 +27,7 @@ cmds = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)
 recorded = open(os.path.join(cfg.logging.output_dir, RAY_ADDRESS_FILE)).read()
 assert recorded == ray.get_runtime_context().gcs_address, recorded
 # another process on this machine finds the job's actor by its run directory, as `tandem scale` / `status` do
-other = subprocess.run([sys.executable, "-c", "import sys, ray; from tandem.services.run import connect_controller; "
+other = subprocess.run([sys.executable, "-c", "import sys, ray; from tandem.services.app.run import connect_controller; "
                         "print(ray.get(connect_controller(sys.argv[1], None)[1].pid.remote()))",
                         cfg.logging.output_dir], capture_output=True, text=True)
 print("PIDS", pid, other.stdout.strip().splitlines()[-1:], cmds)

@@ -55,8 +55,8 @@ def test_adapter_loads_in_peft_and_vllm_and_merges(ray_session, tiny_model, tmp_
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tandem.services.export import export_merged
-    from tandem.services.run import publish_artifact
+    from tandem.services.app.export import export_merged
+    from tandem.services.app.run import publish_artifact
 
     cfg = make_job(tmp_path, tiny_model, [f"{ROOT}/examples/rewards.py:length_reward"],
                    model={"fast_inference": False}, optimizer={"learning_rate": 0.5, "max_grad_norm": 0.0})
@@ -98,7 +98,7 @@ def test_adapter_loads_in_peft_and_vllm_and_merges(ray_session, tiny_model, tmp_
 
 def test_export_names_what_is_missing(tmp_path):
     from tandem.core.config import JobConfigError
-    from tandem.services.export import export_merged
+    from tandem.services.app.export import export_merged
 
     with pytest.raises(JobConfigError, match="no adapter here"):
         export_merged(str(tmp_path), str(tmp_path / "out"))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.services.epoch_record import EpochRecord
+from tandem.services.orchestrator.epoch_record import EpochRecord
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.integration
@@ -74,8 +74,8 @@ def test_errors_inside_the_actors_reach_the_user_as_one_line(ray_session, tmp_pa
 
     import yaml
 
-    from tandem.services.cli import main
-    from tandem.services.supervisor import SUPERVISED
+    from tandem.services.app.cli import main
+    from tandem.services.app.supervisor import SUPERVISED
 
     monkeypatch.setenv(SUPERVISED, "1")  # the driver in this process, on the session's Ray
 
@@ -153,7 +153,7 @@ def start_cluster_run(ray_head, tmp_path: Path, tiny_model: str, reward: str, ma
            "checkpoint": {"save_steps": 2, "save_total_limit": None},
            "logging": {"output_dir": "run", "progress": False}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    return subprocess.Popen([sys.executable, "-m", "tandem.services.cli", "run", "job.yaml", "--address",
+    return subprocess.Popen([sys.executable, "-m", "tandem.services.app.cli", "run", "job.yaml", "--address",
                              ray_head["gcs"]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=tmp_path, env=cluster_env(ray_head))
 
@@ -221,7 +221,7 @@ def test_every_death_on_a_ray_start_cluster_is_survived_and_sigterm_saves_within
              and len(lines(metrics)) >= 10, "step 10 after the driver's death")
         slow.write_text("")
         time.sleep(2.0)  # the next cycle's groups are being scored slowly now
-        st = subprocess.run([sys.executable, "-m", "tandem.services.cli", "status", "job.yaml", "--address",
+        st = subprocess.run([sys.executable, "-m", "tandem.services.app.cli", "status", "job.yaml", "--address",
                              ray_head["gcs"]], capture_output=True, text=True, cwd=tmp_path, env=cluster_env(ray_head),
                             timeout=60)
         t0 = time.time()

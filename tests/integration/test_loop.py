@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from tandem.services.controller import Controller
+from tandem.services.orchestrator.controller import Controller
 from tests.helpers import ROOT, make_job
 from tests.helpers.learner import started
 
@@ -176,8 +176,8 @@ def test_tandem_scale_and_status_reach_the_running_job(ray_session, tmp_path, ti
     import yaml
 
     from tandem.core.config import JobConfigError
-    from tandem.services.cli import main
-    from tandem.services.run import start_controller
+    from tandem.services.app.cli import main
+    from tandem.services.app.run import start_controller
 
     cfg = loop_job(tmp_path, tiny_model, 0, batch={"max_steps": 2})
     job = tmp_path / "job.yaml"

@@ -13,8 +13,8 @@ import pytest
 import torch
 import yaml
 
-from tandem.services.cli import main
-from tandem.services.supervisor import SUPERVISED
+from tandem.services.app.cli import main
+from tandem.services.app.supervisor import SUPERVISED
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.integration
@@ -161,7 +161,7 @@ def test_each_refusal_is_one_true_line(ray_session, tmp_path, tiny_model, capsys
     assert err.strip().startswith(f"tandem: logging.output_dir = '{ro}': cannot write in '/sys' (") and \
         "allowed: a directory this user can create and write" in err and time.time() - t0 < 5
 
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom tandem.services.run import hold_run_dir\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom tandem.services.app.run import hold_run_dir\n"
                                f"with hold_run_dir({str(tmp_path / 'run')!r}):\n    print('held', flush=True)\n"
                                "    time.sleep(120)"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
@@ -204,7 +204,7 @@ def test_no_semaphore_or_scratch_dir_is_left_in_dev_shm(tmp_path, tiny_model):
     directory of each killed worker). The runs that train: the checkpoint test above."""
     before = shm_entries()
     job = write_job(tmp_path, tiny_model, model={"lora": {"r": 8, "lora_alpha": 16, "target_modules": ["foo_proj"]}})
-    p = subprocess.run([sys.executable, "-m", "tandem.services.cli", "run", str(job)], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "tandem.services.app.cli", "run", str(job)], capture_output=True, text=True,
                        cwd=ROOT, timeout=300)
     assert p.returncode == 2, p.stderr[-2000:]
     time.sleep(1)

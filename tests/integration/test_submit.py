@@ -29,8 +29,8 @@ def test_submit_runs_the_job_on_the_cluster(ray_head, tmp_path, tiny_model, caps
     endpoint exports the values metrics.jsonl records."""
     import threading
 
-    from tandem.services.cli import main
-    from tandem.services.run import answered_within
+    from tandem.services.app.cli import main
+    from tandem.services.app.run import answered_within
 
     monkeypatch.setenv("RAY_AUTH_TOKEN", ray_head["token"])  # what this machine holds, nothing else
     metrics_port = ray_head["metrics_port"]
@@ -92,7 +92,7 @@ def test_submit_runs_the_job_on_the_cluster(ray_head, tmp_path, tiny_model, caps
 
 
 def test_submit_refuses_a_bad_job_file_before_the_cluster(tmp_path, capsys):
-    from tandem.services.cli import main
+    from tandem.services.app.cli import main
 
     (tmp_path / "job.yaml").write_text(yaml.safe_dump({"model": {"path": str(tmp_path)}, "data": {"path": "x"},
                                                        "rewards": ["r.py:f"], "batch": {"num_generations": 1}}))
@@ -113,7 +113,7 @@ def test_a_wrong_token_is_named_as_such_within_seconds(ray_head, tmp_path, monke
     for token, said in (("0" * 64, "refused this machine's token"), (None, "needs a token and this machine holds none")):
         for cmd in (["status", "job.yaml"], ["scale", "job.yaml", "2"]):
             t0 = time.time()
-            p = subprocess.run([sys.executable, "-m", "tandem.services.cli", *cmd, "--address", ray_head["gcs"]],
+            p = subprocess.run([sys.executable, "-m", "tandem.services.app.cli", *cmd, "--address", ray_head["gcs"]],
                                capture_output=True, text=True, cwd=tmp_path, timeout=120,
                                env={**env, "HOME": str(tmp_path), **({"RAY_AUTH_TOKEN": token} if token else {})})
             err = p.stderr.strip()

@@ -9,8 +9,8 @@ import os
 import pytest
 
 from tandem.core.config import JobConfig
-from tandem.services.run_log import RunLog
-from tandem.services.trackers import Trackers
+from tandem.services.orchestrator.run_log import RunLog
+from tandem.services.orchestrator.trackers import Trackers
 
 pytestmark = pytest.mark.integration
 

@@ -67,7 +67,7 @@ def test_imports_follow_the_direction():
 
 @pytest.mark.parametrize("folder,line,expect", [
     ("rollout", "from tandem.learner.loss import per_token_loss", "rollout imports tandem.learner"),
-    ("learner", "import tandem.services.run", "learner imports tandem.services"),
+    ("learner", "import tandem.services.app.run", "learner imports tandem.services"),
     ("tandem/core", "from tandem.rollout.prompts import is_chat", "core imports tandem.rollout"),
     ("kernels", "    from tandem.learner.model import load_policy", "kernels imports tandem.learner"),
 ])
@@ -96,8 +96,40 @@ def test_core_heavy_import_is_caught(tmp_path):
 def test_core_imports_nothing_heavy():
     """Validating a job (what `tandem plan` and `tandem submit` do on a laptop) loads no ML library."""
     code = ("import sys, tandem.core.config, tandem.core.plan, tandem.core.protocol, tandem.core.trl, "
-            "tandem.core.checks, tandem.core.compat, tandem.services.cli; "
+            "tandem.core.checks, tandem.core.compat, tandem.services.app.cli; "
             "print(sorted(m for m in ('torch', 'vllm', 'ray', 'deepspeed', 'transformers', 'triton') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# inside services: two programs apart. The app (the `tandem` command and its driver) may import the orchestrator
+# (one job's Controller actor and its parts), never the other way; the dev tools (which `tandem tiny-model`
+# reaches) may import both, the orchestrator none of them.
+SERVICES = {"orchestrator": {"orchestrator"}, "app": {"app", "orchestrator", "devtools"},
+            "devtools": {"app", "orchestrator", "devtools"}}
+
+
+def services_violations(root: Path) -> list[str]:
+    out = []
+    for part, allowed in SERVICES.items():
+        for f in sorted((root / "services" / part).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text(), str(f))):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+                for name in names:
+                    p = name.split(".")
+                    if p[:2] == ["tandem", "services"] and len(p) > 2 and p[2] not in allowed:
+                        out.append(f"{f.relative_to(root)}:{node.lineno} services/{part} imports {name} "
+                                   f"(allowed: {sorted(allowed)})")
+    return out
+
+
+def test_the_app_may_import_the_orchestrator_never_the_other_way(tmp_path):
+    assert services_violations(ROOT) == []
+    assert not [f for f in (ROOT / "services").glob("*.py") if f.name != "__init__.py"], "a module outside the three"
+    for part in SERVICES:
+        (tmp_path / "services" / part).mkdir(parents=True)
+    (tmp_path / "services/orchestrator/x.py").write_text("def f():\n    from tandem.services.app.run import run_job\n")
+    found = services_violations(tmp_path)
+    assert len(found) == 1 and "services/orchestrator imports tandem.services.app.run" in found[0], found

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tandem.services.checkpointer import Checkpointer, complete_checkpoints
-from tandem.services.group_buffer import GroupBuffer
-from tandem.services.prompt_source import MAX_REWARD_RETRIES, PromptSource, PromptTable
-from tandem.services.run_log import EXPORTED, RunLog, rollout_rates, series_name
+from tandem.services.orchestrator.checkpointer import Checkpointer, complete_checkpoints
+from tandem.services.orchestrator.group_buffer import GroupBuffer
+from tandem.services.orchestrator.prompt_source import MAX_REWARD_RETRIES, PromptSource, PromptTable
+from tandem.services.orchestrator.run_log import EXPORTED, RunLog, rollout_rates, series_name
 
 
 def take(src, n):
@@ -129,7 +129,7 @@ def test_rollout_rates_divide_by_engine_busy_time_not_the_cycle():
 
 
 def test_epoch_record_holds_every_use_once_in_bounded_space():
-    from tandem.services.epoch_record import OPEN_EPOCHS, EpochRecord
+    from tandem.services.orchestrator.epoch_record import OPEN_EPOCHS, EpochRecord
 
     n = 1000
     r = EpochRecord(n)
@@ -153,7 +153,7 @@ def test_epoch_record_holds_every_use_once_in_bounded_space():
 
 
 def test_run_log_warns_once_when_no_group_varies_for_ten_steps(tmp_path, capsys):
-    from tandem.services.run_log import FLAT_STEPS
+    from tandem.services.orchestrator.run_log import FLAT_STEPS
 
     log = RunLog(tmp_path / "metrics.jsonl")
     log.write([{"step": s, "frac_reward_zero_std": 1.0} for s in range(1, FLAT_STEPS)])
@@ -194,9 +194,9 @@ def assert_round_trips(part, fresh, state=None):
 
 
 def test_every_part_that_holds_run_state_round_trips_through_its_state(tmp_path):
-    from tandem.services.controller import Progress
-    from tandem.services.epoch_record import TrainedRecord
-    from tandem.services.failures import FailureLog
+    from tandem.services.orchestrator.controller import Progress
+    from tandem.services.orchestrator.epoch_record import TrainedRecord
+    from tandem.services.orchestrator.failures import FailureLog
 
     def table():
         return PromptTable([{"prompt": f"p{i}", "a": i} for i in range(10)], [np.array([j], np.int32) for j in range(10)], "prompt")
@@ -244,8 +244,8 @@ def test_a_part_whose_state_leaves_out_an_attribute_fails_the_round_trip():
 
 
 def test_a_checkpoint_of_the_flat_layout_loads_into_the_parts():
-    from tandem.services.controller import parts_state
-    from tandem.services.epoch_record import EpochRecord
+    from tandem.services.orchestrator.controller import parts_state
+    from tandem.services.orchestrator.epoch_record import EpochRecord
 
     names = {"source", "progress", "record", "buffer", "failures"}
     trained = EpochRecord(10)

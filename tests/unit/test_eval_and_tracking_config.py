@@ -9,8 +9,8 @@ import pytest
 
 from tandem.core import checks
 from tandem.core.config import JobConfig, JobConfigError
-from tandem.services.evaluator import Evaluator, eval_stats
-from tandem.services.trackers import scalars
+from tandem.services.orchestrator.evaluator import Evaluator, eval_stats
+from tandem.services.orchestrator.trackers import scalars
 
 
 def test_eval_stats_against_a_plain_loop():

@@ -35,7 +35,7 @@ def parse_cycles(text):
 def test_cli_prints_spec_table(example):
     (per, ga, spg, g), batches, opt_after = SPEC[example]
     out = subprocess.run(
-        [sys.executable, "-m", "tandem.services.cli", "plan", str(ROOT / f"examples/plan/seed-example-{example}.yaml")],
+        [sys.executable, "-m", "tandem.services.app.cli", "plan", str(ROOT / f"examples/plan/seed-example-{example}.yaml")],
         capture_output=True, text=True, check=True,
     ).stdout
     assert f"effective_batch_size = steps_per_generation × num_processes × per_device_train_batch_size = " \
@@ -95,5 +95,5 @@ def test_plan_refuses_bad_arithmetic():
 def test_cli_plan_error_names_field(tmp_path):
     p = tmp_path / "j.yaml"
     p.write_text("batch: {per_device_train_batch_size: 5, num_generations: 3}\n")
-    r = subprocess.run([sys.executable, "-m", "tandem.services.cli", "plan", str(p)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "tandem.services.app.cli", "plan", str(p)], capture_output=True, text=True)
     assert r.returncode == 2 and "batch.num_generations = 3" in r.stderr

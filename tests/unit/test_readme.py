@@ -1,6 +1,6 @@
 """The README's job file reference is the one the code generates, and every spec parameter is in it."""
 
-from tandem.services.reference import markdown
+from tandem.services.devtools.reference import markdown
 from tests.helpers import ROOT
 
 SPEC_NAMES = ["beta", "num_iterations", "epsilon", "epsilon_high", "delta", "importance_sampling_level",

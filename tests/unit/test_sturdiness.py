@@ -16,10 +16,10 @@ import yaml
 
 from tandem.core.config import JobConfig, JobConfigError
 from tandem.learner.checkpoint_io import load_rng, save_rng
-from tandem.services.checkpointer import Checkpointer, fingerprint, fingerprint_changes
-from tandem.services.data import DataError, load_rows
-from tandem.services.run import sigterm_as_interrupt
-from tandem.services.run_log import RunLog
+from tandem.services.app.run import sigterm_as_interrupt
+from tandem.services.orchestrator.checkpointer import Checkpointer, fingerprint, fingerprint_changes
+from tandem.services.orchestrator.data import DataError, load_rows
+from tandem.services.orchestrator.run_log import RunLog
 from tests.helpers.credentials import CREDENTIALS, PRIVATE_KEY, SECRET_CONTENT, write_tree
 
 
@@ -140,7 +140,7 @@ def test_a_nan_reward_weight_is_refused(job_files):
 def test_submit_uploads_what_ray_would_minus_secrets_and_history(tmp_path):
     """The list `tandem submit` prints is Ray's packaging walk of the working directory: .gitignore and
     .rayignore honoured, and .env files, .git and keys never uploaded even when nothing ignores them."""
-    from tandem.services.upload import plan_upload
+    from tandem.services.app.upload import plan_upload
 
     for rel, text in {"job.yaml": "a: 1\n", "data/train.jsonl": "{}\n", "rewards.py": "x = 1\n", ".env": "KEY=1\n",
                       ".env.local": "KEY=2\n", "sub/.env": "KEY=3\n", ".git/config": "[core]\n", "id_rsa": "k",
@@ -155,7 +155,7 @@ def test_submit_uploads_what_ray_would_minus_secrets_and_history(tmp_path):
 def test_submit_holds_back_credentials_by_name_and_by_content_and_names_each(tmp_path, capsys):
     """Every credential file of the probe is held back with its reason (a name rule, or what detect-secrets
     found); --dry-run prints the list and contacts no cluster (the address is a closed port)."""
-    from tandem.services.cli import main
+    from tandem.services.app.cli import main
 
     write_tree(tmp_path, {**CREDENTIALS, **SECRET_CONTENT, "data.jsonl": '{"prompt": "1 + 1"}\n',
                           "rewards.py": "def r(completions, **kw):\n    return [1.0] * len(completions)\n"})
@@ -179,7 +179,7 @@ def test_allow_sends_one_held_file_and_the_excludes_are_exactly_the_rest(tmp_pat
     from ray._private.thirdparty.pathspec import PathSpec
 
     from tandem.core.config import JobConfigError
-    from tandem.services.upload import plan_upload
+    from tandem.services.app.upload import plan_upload
 
     write_tree(tmp_path, {"a[1].pem": "x", "a1.pem": "x", "settings.py": SECRET_CONTENT["settings.py"],
                           "keys/server.key": PRIVATE_KEY, "ok.txt": "fine\n"})
@@ -267,7 +267,7 @@ def test_relative_paths_become_absolute_against_the_drivers_directory(tmp_path):
 def test_tandem_check_reads_the_data_and_refuses_what_trains_nothing(job_files, tmp_path, capsys):
     """A 0-row data file, a whitespace-only prompt (text or chat) and max_steps 0: each refused by `tandem check` in
     one line naming the file and row or the field (before: 'valid')."""
-    from tandem.services.cli import main
+    from tandem.services.app.cli import main
 
     data = tmp_path / "data.jsonl"
     job = tmp_path / "job.yaml"

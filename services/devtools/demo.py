@@ -11,7 +11,7 @@ def main(job: str) -> int:
     import psutil
 
     from tandem.core.config import JobConfig
-    from tandem.services.run import run_job
+    from tandem.services.app.run import run_job
 
     base = psutil.virtual_memory().used
     peak = [0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from tandem.services.epoch_record import EpochRecord
+from tandem.services.orchestrator.epoch_record import EpochRecord
 
 RECENT = 4096  # filtered groups kept in memory with their versions (metrics and a reader)
 

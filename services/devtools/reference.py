@@ -1,5 +1,5 @@
 """The job file reference, generated from the pydantic models (README embeds it; a test keeps
-them in step): `python -m tandem.services.reference`."""
+them in step): `python -m tandem.services.devtools.reference`."""
 
 from __future__ import annotations
 

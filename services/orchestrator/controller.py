@@ -33,16 +33,16 @@ from typing import ClassVar
 from tandem.core.config import JobConfigError
 from tandem.core.plan import BatchPlan
 from tandem.core.protocol import errors_as_text
-from tandem.services.checkpointer import Checkpointer, fingerprint, fingerprint_changes
-from tandem.services.data import check_rows, load_rows
-from tandem.services.epoch_record import EpochRecord, TrainedRecord
-from tandem.services.evaluator import Evaluator
-from tandem.services.failures import FailureLog
-from tandem.services.group_buffer import GroupBuffer
-from tandem.services.prompt_source import PromptSource, PromptTable
-from tandem.services.rollout_pool import RolloutPool
-from tandem.services.run_log import EXPORTED, RunLog, rollout_rates, series_name  # noqa: F401 - deploy/ reads EXPORTED
-from tandem.services.trackers import Trackers
+from tandem.services.orchestrator.checkpointer import Checkpointer, fingerprint, fingerprint_changes
+from tandem.services.orchestrator.data import check_rows, load_rows
+from tandem.services.orchestrator.epoch_record import EpochRecord, TrainedRecord
+from tandem.services.orchestrator.evaluator import Evaluator
+from tandem.services.orchestrator.failures import FailureLog
+from tandem.services.orchestrator.group_buffer import GroupBuffer
+from tandem.services.orchestrator.prompt_source import PromptSource, PromptTable
+from tandem.services.orchestrator.rollout_pool import RolloutPool
+from tandem.services.orchestrator.run_log import EXPORTED, RunLog, rollout_rates, series_name  # noqa: F401 - deploy/ reads EXPORTED
+from tandem.services.orchestrator.trackers import Trackers
 
 
 def one_at_a_time(method):
@@ -185,7 +185,7 @@ class Controller:
         from tandem.core.checks import write_shared_probe
         from tandem.learner.group import LearnerGroup
         from tandem.rollout.worker import prompts_in_flight
-        from tandem.services.colocated import PREFIX, colocated_actor_class, worker_starter
+        from tandem.services.orchestrator.colocated import PREFIX, colocated_actor_class, worker_starter
 
         cfg = self.cfg
         probe = write_shared_probe(cfg.logging.output_dir)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tandem.core.config import JobConfig, JobConfigError, JobShape, with_absolute_paths
 from tandem.core.plan import BatchPlan, arithmetic, table
-from tandem.services.run import one_line
+from tandem.services.app.run import one_line
 
 
 def load_shape(path: str, overrides: list[str]) -> JobShape:
@@ -34,7 +34,7 @@ def cmd_plan(args) -> int:
 
 def cmd_check(args) -> int:
     from tandem.core.checks import check_inputs
-    from tandem.services.data import check_rows, load_rows
+    from tandem.services.orchestrator.data import check_rows, load_rows
 
     cfg = JobConfig.from_yaml(args.job, args.set)
     check_inputs(cfg)
@@ -48,14 +48,14 @@ def cmd_check(args) -> int:
 
 def cmd_run(args) -> int:
     from tandem.core.checks import check_inputs
-    from tandem.services.supervisor import SUPERVISED, supervise
+    from tandem.services.app.supervisor import SUPERVISED, supervise
 
     cfg = with_absolute_paths(JobConfig.from_yaml(args.job, args.set), os.getcwd())  # actors start elsewhere
     address = args.address or cfg.cluster.address
     if cfg.cluster.max_restarts > 0 and not os.environ.get(SUPERVISED):  # the driver as a child, restarted;
         return supervise([args.job, *(x for s in args.set for x in ("--set", s)),  # it checks the inputs
                           *(["--address", args.address] if args.address else [])], cfg.cluster.max_restarts)
-    from tandem.services.run import hold_run_dir, run_job
+    from tandem.services.app.run import hold_run_dir, run_job
 
     with hold_run_dir(cfg.logging.output_dir):  # before the checks: a running job's directory is named as such
         check_inputs(cfg)  # the driver sees the same files as every node (README: shared filesystem)
@@ -63,8 +63,8 @@ def cmd_run(args) -> int:
 
 
 def cmd_submit(args) -> int:
-    from tandem.services.run import submit_job
-    from tandem.services.upload import plan_upload
+    from tandem.services.app.run import submit_job
+    from tandem.services.app.upload import plan_upload
 
     JobConfig.from_yaml(args.job, args.set)  # the schema only: the files and CUDA are the cluster's
     upload = None
@@ -114,7 +114,7 @@ def worker_count(text: str) -> int:
 
 
 def cmd_scale(args) -> int:
-    from tandem.services.run import connect_controller
+    from tandem.services.app.run import connect_controller
 
     ray, ctl = connect_controller(output_dir_of(args.job, args.set), args.address)
     st = ray.get(ctl.scale.remote(args.workers))
@@ -124,7 +124,7 @@ def cmd_scale(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from tandem.services.run import connect_controller
+    from tandem.services.app.run import connect_controller
 
     ray, ctl = connect_controller(output_dir_of(args.job, args.set), args.address)
     try:  # the controller answers from its second thread, even mid-cycle; a wedged one must not hold us
@@ -142,7 +142,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from tandem.services.export import export_merged
+    from tandem.services.app.export import export_merged
 
     dst = export_merged(args.source, args.merged, args.dtype)
     print(f"wrote a merged transformers model to {dst} (load with AutoModelForCausalLM.from_pretrained or vLLM)")
@@ -150,7 +150,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_tiny_model(args) -> int:
-    from tandem.rollout.tiny_model import build_tiny_model
+    from tandem.services.devtools.tiny_model import build_tiny_model
 
     build_tiny_model(args.dir, layers=args.layers, hidden=args.hidden, vocab=args.vocab, seed=args.seed,
                      tie_word_embeddings=args.tie)

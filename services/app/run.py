@@ -103,7 +103,7 @@ def start_controller(ray, cfg, resource_wait_s: float = 0.0, out=None):
     autoscaler (0 on the embedded Ray: no node will join it); meanwhile what it waits for is printed every
     WAIT_REPORT_S."""
     from tandem.core.config import JobConfigError
-    from tandem.services.controller import Controller
+    from tandem.services.orchestrator.controller import Controller
 
     out = out or sys.stdout  # looked up now: a caller may have redirected it
     name = controller_name(cfg.logging.output_dir)
@@ -199,14 +199,14 @@ def submit_job(job: str, overrides: list[str], address: str | None, working_dir:
     """`tandem run` of this job file as a Ray job (Jobs API of the cluster's dashboard at `address`;
     None: RAY_ADDRESS or this machine). working_dir is uploaded and becomes the job's working
     directory, so the job file and its relative paths must lie inside it, less `excludes` (Ray's runtime_env
-    excludes: the files services/upload.py holds back). A head that has just
+    excludes: the files services/app/upload.py holds back). A head that has just
     started may refuse (no job agent yet) or not answer a submission: it is retried under one
     submission id (so never started twice) for up to patience_s. -> (client, job id)"""
     import uuid
 
     from ray.job_submission import JobSubmissionClient
 
-    entry = ["python", "-m", "tandem.services.cli", "run", job, "--address", "auto"]
+    entry = ["python", "-m", "tandem.services.app.cli", "run", job, "--address", "auto"]
     runtime_env = {"working_dir": working_dir, "excludes": list(excludes)} if working_dir else None
     for item in overrides:
         entry += ["--set", item]
@@ -372,7 +372,7 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float) -> int:
 def print_summary(cfg, out, path: str | None, artifact: Path | None, t_start: float) -> None:
     """What the run did, from its record: the reward at the start and the end, the evaluations, the steps
     trained, where the metrics, the plot, the checkpoint and the artifact are."""
-    from tandem.services.plot import plot_run, read_metrics
+    from tandem.services.app.plot import plot_run, read_metrics
 
     out_dir = Path(cfg.logging.output_dir)
     png = plot_run(out_dir / "metrics.jsonl", out_dir / "reward.png")

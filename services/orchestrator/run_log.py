@@ -42,7 +42,7 @@ def rollout_rates(before: dict, after: dict) -> dict:
 
 
 class RunLog:
-    """`trackers` (services/trackers.py, started with the job) get each line after metrics.jsonl."""
+    """`trackers` (services/orchestrator/trackers.py, started with the job) get each line after metrics.jsonl."""
 
     def __init__(self, path: Path):
         self.path = path

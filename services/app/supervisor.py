@@ -26,7 +26,7 @@ def _die_with_parent() -> None:
 
 def supervise(argv: list[str], max_restarts: int, out=sys.stderr) -> int:
     """Runs `tandem run argv` as a child until it ends by itself; -> its exit status."""
-    cmd = [sys.executable, "-m", "tandem.services.cli", "run", *argv]
+    cmd = [sys.executable, "-m", "tandem.services.app.cli", "run", *argv]
     # unbuffered: a driver killed by SIGKILL leaves every line it printed (a pipe buffers 8 KB otherwise)
     env = dict(os.environ, **{SUPERVISED: "1", "PYTHONUNBUFFERED": "1"})
     restarts = 0
