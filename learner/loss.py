@@ -153,25 +153,11 @@ def _masked_mean(x, m):
 
 
 @torch.no_grad()
-def loss_metrics(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    *,
-    epsilon=_G.epsilon,
-    epsilon_high=_G.epsilon_high,
-    importance_sampling_level=_G.importance_sampling_level,
-    ref_logp=None,
-    sampler_logp=None,
-    tis_cap=None,
-    tis_mode=_G.vllm_importance_sampling_mode,
-    tis_min=None,
-    entropy=None,
-    logits=None,
-    temperature=1.0,
-) -> dict[str, float]:
-    """Spec §5 metrics of one micro-batch as plain floats (finite even when all-masked).
+def loss_metrics(logp, old_logp, advantages, mask, *, epsilon=_G.epsilon, epsilon_high=_G.epsilon_high,
+                 importance_sampling_level=_G.importance_sampling_level, ref_logp=None, sampler_logp=None,
+                 tis_cap=None, tis_mode=_G.vllm_importance_sampling_mode, tis_min=None, entropy=None, logits=None,
+                 temperature=1.0) -> dict[str, float]:
+    """The docs/grpo.md §5 metrics of one micro-batch as plain floats (finite even when all-masked).
 
     `entropy` [B, T] if the caller has it (fused kernels), else `logits` [B, T, V] to compute it.
     `tokens` is the active-token count, the weight for averaging across micro-batches and ranks.

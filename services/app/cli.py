@@ -158,21 +158,8 @@ def cmd_tiny_model(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tandem", description="Distributed GRPO training on Ray + vLLM + DeepSpeed")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    sp = sub.add_parser("plan", help="print the batch arithmetic and the schedule of two generation cycles")
-    sp.add_argument("job")
-    sp.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
-    sp.add_argument("--cycles", type=int, default=2)
-    sp.set_defaults(fn=cmd_plan)
-
-    sk = sub.add_parser("check", help="validate a job file and check its model, data and rewards on this machine")
-    sk.add_argument("job")
-    sk.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
-    sk.set_defaults(fn=cmd_check)
-
+def add_job_commands(sub) -> None:
+    """run, submit, scale, status: the commands that start or reach a job."""
     sr = sub.add_parser("run", help="run a job (embedded Ray unless --address)")
     sr.add_argument("job")
     sr.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
@@ -205,6 +192,24 @@ def build_parser() -> argparse.ArgumentParser:
     ss.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     ss.add_argument("--address", default=None, help="Ray cluster address (default: the one on this machine)")
     ss.set_defaults(fn=cmd_status)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem", description="Distributed GRPO training on Ray + vLLM + DeepSpeed")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    sp = sub.add_parser("plan", help="print the batch arithmetic and the schedule of two generation cycles")
+    sp.add_argument("job")
+    sp.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    sp.add_argument("--cycles", type=int, default=2)
+    sp.set_defaults(fn=cmd_plan)
+
+    sk = sub.add_parser("check", help="validate a job file and check its model, data and rewards on this machine")
+    sk.add_argument("job")
+    sk.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    sk.set_defaults(fn=cmd_check)
+
+    add_job_commands(sub)
 
     se = sub.add_parser("export", help="merge a run's (or a checkpoint's) adapter into its base model")
     se.add_argument("source", metavar="RUN_OR_CHECKPOINT")

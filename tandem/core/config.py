@@ -461,7 +461,7 @@ def read_job_file(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def resolve_batch(b: BatchConfig, num_iterations: int, num_processes: int) -> None:
-    """Spec §3: fills steps_per_generation, applies the one documented adjustment, then the checks
+    """docs/grpo.md §3: fills steps_per_generation, applies the one documented adjustment, then the checks
     (one implementation, shared with BatchPlan)."""
     if b.steps_per_generation is None:
         b.steps_per_generation = b.gradient_accumulation_steps

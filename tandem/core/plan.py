@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 
 def batch_error(per: int, ga: int, spg: int, G: int, nproc: int, mu: int) -> str | None:
-    """Spec §3's two rules, or None: the generation batch holds whole groups, and every cycle
+    """docs/grpo.md §3's two rules, or None: the generation batch holds whole groups, and every cycle
     holds whole optimizer steps. The message names the fields and proposes values that work."""
     ebs = spg * nproc * per
     if ebs % G:

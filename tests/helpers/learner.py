@@ -30,7 +30,7 @@ def sgd(lr):
 
 
 def reference_step(cfg, groups, lr, iterations=1):
-    """Spec §4 on the whole batch at once, plain PyTorch + SGD: no DeepSpeed, no accumulation.
+    """docs/grpo.md §4 on the whole batch at once, plain PyTorch + SGD: no DeepSpeed, no accumulation.
     With iterations > 1: old log-probs once, then `iterations` full-batch SGD steps (PPO epochs)."""
     torch.manual_seed(cfg.seed)
     model = load_policy(cfg)

@@ -180,7 +180,7 @@ def test_a_wait_for_resources_says_what_it_waits_for(ray_session, tmp_path, tiny
     import io
 
     from tandem.core.config import JobConfig
-    from tandem.services import run as run_module
+    from tandem.services.app import run as run_module
 
     monkeypatch.setattr(run_module, "WAIT_REPORT_S", 0.5)
     cfg = JobConfig.from_yaml(write_job(tmp_path, tiny_model, cluster={"rollout_resources": {"num_gpus": 1}}))
