@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.services.orchestrator.controller import parts_state
 from tandem.services.orchestrator.epoch_record import EpochRecord
 from tests.helpers import ROOT
 
@@ -245,10 +246,11 @@ def test_every_death_on_a_ray_start_cluster_is_survived_and_sigterm_saves_within
     ck = sorted((tmp_path / "run" / "checkpoints").iterdir())[-1]
     meta = json.loads((ck / "tandem.json").read_text())
     assert meta["steps"] == len(steps)  # the SIGTERM checkpoint holds every step logged
+    st = parts_state(meta["controller"], 16)  # the controller's state by part
     trained = EpochRecord(16)
-    trained.load(meta["controller"]["trained"])  # one bit per row and epoch: trained twice would have raised
+    trained.load(st["record"]["trained"])  # one bit per row and epoch: trained twice would have raised
     assert len(trained) == len(trained.pairs()) == 2 * len(steps)
-    pending = {tuple(x) for x in meta["controller"]["cursor"]["requeued"]}
+    pending = {tuple(x) for x in st["source"]["requeued"]}
     assert pending and not pending & {(i, e) for e, i in trained.pairs()}  # the slow cycle's prompts come back
 
 
