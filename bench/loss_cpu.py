@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from tandem.learner.loss import aggregate_loss, loss_metrics, per_token_loss
+from tandem.learner.grpo import aggregate_loss, loss_metrics, per_token_loss
 
 B, T = 64, 1024
 VARIANTS = {

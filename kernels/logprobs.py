@@ -76,7 +76,7 @@ def grpo_token_terms(old_logp, advantages, token_weight, *, epsilon=EPSILON, eps
     token_weight * (-min(r·A, clip(r)·A) · tis + beta · k3) on tokens s..e, r = exp(logp - old), the
     unclipped ratio capped at delta. Flat [N] inputs (tensors or scalars); old_logp None = on-policy
     (old = logp detached); tis: the truncated-IS weight or None; ref_logp when beta > 0. Written out
-    here, independently of learner.loss.per_token_loss ([B, T] form), which the tests compare it with."""
+    here, independently of learner.grpo.per_token_loss ([B, T] form), which the tests compare it with."""
     hi = epsilon if epsilon_high is None else epsilon_high
 
     def col(x, s, e, like):

@@ -8,7 +8,7 @@ Row kernels (one program per row, vocabulary walked in blocks, nothing [rows, vo
                and float16 exp(logit - tile max) in its epilogue (2 bytes a logit, not 4)
   _tiles_grpo: _row_grpo after _logits_tiles: log-sum-exp from the tile statistics, one read of e
 
-Entry points (the PyTorch references live in `logprobs.py` and `learner/loss.py`):
+Entry points (the PyTorch references live in `logprobs.py` and `learner/grpo.py`):
   selective_logprobs_triton    logits exist; backward from the saved lse (no softmax stored)
   linear_logprobs_triton       hidden @ lm_head.T a chunk of rows at a time; backward recomputes a chunk
   linear_logprobs_loss_triton  any loss that is a sum of per-token terms (a PyTorch function): each
@@ -625,7 +625,7 @@ def linear_grpo_loss_triton(hidden, weight, ids, old_logp, advantages, token_wei
 
     Flat per-token inputs [N] (scalars broadcast): old_logp (None: on-policy, old = logp detached,
     ratio 1), advantages, token_weight (the loss type's normalisation, 0 on masked tokens: see
-    learner.loss.token_weights), tis (truncated IS weight, 1 if off), ref_logp (needed when beta > 0).
+    learner.grpo.token_weights), tis (truncated IS weight, 1 if off), ref_logp (needed when beta > 0).
     Token-level importance ratios only. chunk None: auto_chunk.
     grad_weight_fp32=False accumulates a trainable lm_head's gradient in its own dtype across chunks
     (as Liger-Kernel does): no float32 [V, H] buffer, half the read-modify-write per chunk.

@@ -18,10 +18,17 @@ from tandem.core.checks import check_learner_device, check_shared_dir
 from tandem.core.compat import before_deepspeed_init, set_distributed_env
 from tandem.core.plan import BatchPlan
 from tandem.learner import checkpoint_io
-from tandem.learner.advantages import compute_advantages, with_overlong_column
 from tandem.learner.batch import Samples, collate, to_device
+from tandem.learner.grpo import (
+    LossInputs,
+    compute_advantages,
+    grpo_loss,
+    grpo_metrics,
+    tis_weight,
+    token_weights,
+    with_overlong_column,
+)
 from tandem.learner.logprobs import completion_grpo_loss, completion_logprobs
-from tandem.learner.loss import LossInputs, grpo_loss, grpo_metrics, tis_weight, token_weights
 from tandem.learner.metrics import accumulate, reduce_metrics, rollout_stats
 from tandem.learner.model import (
     copy_to_cpu,

@@ -8,10 +8,10 @@ import math
 import numpy as np
 import torch
 
-from tandem.learner.advantages import total_rewards
 from tandem.learner.batch import Samples
+from tandem.learner.grpo import total_rewards
 
-# how a loss metric (learner.loss.loss_metrics) becomes one number per optimizer step: "mean" is weighted by the
+# how a loss metric (learner.grpo.loss_metrics) becomes one number per optimizer step: "mean" is weighted by the
 # tokens of each micro-step (every rank's), "min"/"max" over them; "sum" adds
 REDUCTIONS = {
     "clip_ratio/low_mean": "mean", "clip_ratio/high_mean": "mean", "clip_ratio/region_mean": "mean",

@@ -4,10 +4,9 @@ import numpy as np
 import torch
 
 from tandem.core.protocol import RolloutGroup, pack_completions
-from tandem.learner.advantages import compute_advantages
 from tandem.learner.batch import Samples, collate
+from tandem.learner.grpo import aggregate_loss, compute_advantages, per_token_loss
 from tandem.learner.logprobs import completion_logprobs
-from tandem.learner.loss import aggregate_loss, per_token_loss
 from tandem.learner.model import load_policy, reference_context
 
 

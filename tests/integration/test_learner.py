@@ -248,10 +248,9 @@ def test_two_ranks_match_one(ray_session, tmp_path, tiny_model, loss_type):
 
 def test_learner_metrics_match_math_functions(tmp_path, tiny_model):
     """The learner's reported metrics are loss_metrics/rollout stats of the same batch."""
-    from tandem.learner.advantages import compute_advantages
     from tandem.learner.batch import Samples, collate
+    from tandem.learner.grpo import compute_advantages, loss_metrics
     from tandem.learner.logprobs import completion_logprobs
-    from tandem.learner.loss import loss_metrics
     from tandem.learner.model import load_policy
 
     groups = make_groups(2, 4, seed=8)

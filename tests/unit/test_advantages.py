@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from tandem.learner.advantages import compute_advantages
+from tandem.learner.grpo import compute_advantages
 
 
 def reference(rows, G, weights, scale):
@@ -121,7 +121,7 @@ def test_overlong_penalty_is_dapos_formula_in_float64():
 def test_overlong_column_joins_the_rewards_with_weight_one():
     from types import SimpleNamespace
 
-    from tandem.learner.advantages import compute_advantages, total_rewards, with_overlong_column
+    from tandem.learner.grpo import compute_advantages, total_rewards, with_overlong_column
 
     r = torch.tensor([[1.0], [1.0], [1.0], [1.0]])
     lengths = torch.tensor([4, 10, 4, 10])

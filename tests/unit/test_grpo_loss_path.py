@@ -5,8 +5,8 @@ aggregate_loss) on a small random transformers model, left-padded prompts and ma
 import pytest
 import torch
 
+from tandem.learner.grpo import aggregate_loss, per_token_loss, tis_weight, token_weights
 from tandem.learner.logprobs import completion_grpo_loss, completion_logprobs
-from tandem.learner.loss import aggregate_loss, per_token_loss, tis_weight, token_weights
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

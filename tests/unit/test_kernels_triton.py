@@ -8,7 +8,7 @@ import torch
 
 from tandem.kernels import triton_logprobs as tk
 from tandem.kernels.logprobs import grpo_token_terms, selective_logprobs_reference
-from tandem.learner.loss import aggregate_loss, per_token_loss, tis_weight, token_weights
+from tandem.learner.grpo import aggregate_loss, per_token_loss, tis_weight, token_weights
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from tandem.learner.loss import aggregate_loss, loss_metrics, per_token_loss
+from tandem.learner.grpo import aggregate_loss, loss_metrics, per_token_loss
 from tests.helpers import ROOT
 
 B, T, L_MAX = 5, 6, 8

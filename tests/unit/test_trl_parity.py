@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem.core.config import JobConfig, JobConfigError
-from tandem.learner.loss import off_policy_mask, per_token_loss, tis_weight
+from tandem.learner.grpo import off_policy_mask, per_token_loss, tis_weight
 
 trl = pytest.importorskip("trl")  # in the dev extra: `make install` has it
 

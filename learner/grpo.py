@@ -1,4 +1,9 @@
-"""The GRPO loss (docs/grpo.md §4.3–4.8) and its metrics. Pure tensors: no Ray, no DeepSpeed.
+"""GRPO's math in one home (docs/grpo.md §4), pure tensors: no Ray, no DeepSpeed. In the order a batch meets it:
+the advantages of the whole generation batch (§4.1-4.2; the reward total itself is tandem/core/shaping.py's, which
+the rollout worker's filter and the evaluation share), then per micro-batch the ratio, the clipped surrogate,
+truncated importance sampling, the KL term (§4.3-4.7), their aggregation by loss_type (§4.8) and the metrics (§5).
+The fused Triton kernels (kernels/) compute the same per-token terms; the float64 references in tests/ are the
+oracles of both.
 
 Shapes: B completions (rows) × T completion positions; `mask` is 1 on real completion tokens.
 Masked positions may hold anything (inf, NaN, 1e9): they are replaced before any arithmetic,
@@ -9,11 +14,100 @@ from __future__ import annotations
 
 import math
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from tandem.core import shaping
 from tandem.core.config import GRPOConfig
+from tandem.core.shaping import overlong_penalty
+
+# ------------------------------------------------------------------------------ advantages (§4.1-4.2)
+
+STD_EPS = 1e-4  # added to the std before dividing (TRL/Unsloth)
+
+
+def _scale_mode(scale_rewards: str | bool) -> str:
+    if scale_rewards is True:
+        return "group"
+    if scale_rewards is False:
+        return "none"
+    if scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(
+            f"compute_advantages: scale_rewards = {scale_rewards!r}; allowed 'group', 'batch', 'none', True, False"
+        )
+    return scale_rewards
+
+
+def total_rewards(
+    rewards: torch.Tensor, reward_weights: Sequence[float] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, F] per-function rewards (NaN = None) -> (weighted nansum [N] float64, valid [N]: some function
+    scored), as tensors: tandem.core.shaping.total_rewards (the one definition) on the rewards' host copy."""
+    n_fn = 1 if rewards.dim() == 1 else rewards.shape[1]
+    if reward_weights is not None and len(reward_weights) != n_fn:
+        raise ValueError(f"compute_advantages: {len(reward_weights)} reward_weights for {n_fn} reward columns")
+    total, valid = shaping.total_rewards(rewards.detach().to("cpu", torch.float64).numpy(), reward_weights)
+    return torch.from_numpy(total).to(rewards.device), torch.from_numpy(valid).to(rewards.device)
+
+
+def compute_advantages(
+    rewards: torch.Tensor,
+    num_generations: int,
+    reward_weights: Sequence[float] | None = None,
+    scale_rewards: str | bool = "group",
+) -> torch.Tensor:
+    """rewards [N, F] (NaN where a function returned None) -> advantages [N].
+
+    A_i = r_i − mean(group), divided by (Bessel std + 1e-4) of the group ("group") or of the
+    whole batch ("batch"). Rows where every function returned None get 0 and stay out of every
+    statistic; groups whose valid rewards are all equal get exactly 0. Computed in float64.
+    """
+    mode = _scale_mode(scale_rewards)
+    if num_generations < 1:
+        raise ValueError(f"compute_advantages: num_generations = {num_generations}; must be >= 1")
+    if rewards.shape[0] % num_generations:
+        raise ValueError(
+            f"compute_advantages: {rewards.shape[0]} rows is not a whole number of groups of {num_generations}"
+        )
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    r, valid = total_rewards(rewards, reward_weights)
+    r = torch.where(valid, r, torch.zeros_like(r))
+    v = valid.to(torch.float64)
+
+    rg, vg = r.view(-1, num_generations), v.view(-1, num_generations)
+    count = vg.sum(1, keepdim=True)
+    mean = (rg * vg).sum(1, keepdim=True) / count.clamp(min=1)
+    adv = (rg - mean) * vg
+    big = torch.finfo(torch.float64).max
+    flat = (torch.where(vg > 0, rg, big).amin(1) == torch.where(vg > 0, rg, -big).amax(1)).unsqueeze(1)
+
+    if mode == "group":
+        var = (adv**2).sum(1, keepdim=True) / (count - 1).clamp(min=1)
+        adv = adv / (var.sqrt() + STD_EPS)
+    elif mode == "batch":
+        n = v.sum()
+        bmean = (r * v).sum() / n.clamp(min=1)
+        bvar = (((r - bmean) * v) ** 2).sum() / (n - 1).clamp(min=1)
+        adv = adv / (bvar.sqrt() + STD_EPS)
+    adv = torch.where(flat, torch.zeros_like(adv), adv)
+    return adv.reshape(-1).to(out_dtype)
+
+
+def with_overlong_column(rewards: torch.Tensor, lengths: torch.Tensor, reward_weights, g, max_completion_length):
+    """The per-function rewards [N, F] with the overlong penalty as one more column of weight 1 (so every
+    statistic, per-column metrics included, sees it), and the weights to go with them. Unchanged when
+    grpo.overlong_buffer_len is null."""
+    if g.overlong_buffer_len is None:
+        return rewards, reward_weights
+    pen = torch.from_numpy(overlong_penalty(lengths.numpy(), max_completion_length, g.overlong_buffer_len,
+                                            g.overlong_penalty_factor))
+    weights = list(reward_weights) if reward_weights is not None else [1.0] * rewards.shape[1]
+    return torch.cat([rewards.to(torch.float64), pen[:, None]], dim=1), weights + [1.0]
+
+
+# ----------------------------------------------------------------------------- the loss (§4.3-4.8, §5)
 
 _G = GRPOConfig()  # the spec's defaults, from the job schema (tandem.core): one definition
 
@@ -30,7 +124,7 @@ def _clean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 def _check(name: str, value, allowed) -> None:
     if value not in allowed:
-        raise ValueError(f"tandem.learner.loss: {name} = {value!r}; allowed {', '.join(map(repr, allowed))}")
+        raise ValueError(f"tandem.learner.grpo: {name} = {value!r}; allowed {', '.join(map(repr, allowed))}")
 
 
 def log_ratio(logp, old_logp, mask, importance_sampling_level="token"):
@@ -50,7 +144,7 @@ def tis_weight(old_logp, sampler_logp, mask, cap, mode="token_truncate", clip_mi
     drop weights below it as they drop those above the cap."""
     _check("tis_mode", mode, TIS_MODES)
     if cap is None or cap <= 0:
-        raise ValueError(f"tandem.learner.loss: tis_cap = {cap!r}; must be a positive number")
+        raise ValueError(f"tandem.learner.grpo: tis_cap = {cap!r}; must be a positive number")
     m = mask.bool()
     with torch.no_grad():
         dt = torch.promote_types(old_logp.dtype, torch.float32)  # never below float32
@@ -116,7 +210,7 @@ def per_token_loss(
         loss = loss * tis_weight(old_logp, sampler_logp, m, tis_cap, tis_mode, tis_min)
     if beta > 0:
         if ref_logp is None:
-            raise ValueError("tandem.learner.loss.per_token_loss: beta > 0 needs ref_logp")
+            raise ValueError("tandem.learner.grpo.per_token_loss: beta > 0 needs ref_logp")
         loss = loss + beta * k3_kl(logp, ref_logp, m)
     if off_policy_threshold is not None:  # TRL applies it to the whole per-token loss, KL included
         behaviour = behaviour_logp if behaviour_logp is not None else old_logp
