@@ -21,25 +21,32 @@ class Samples:
     eos: np.ndarray  # bool [N]
     rewards: np.ndarray  # float32 [N, F]
     versions: np.ndarray  # int [N]
+    loss_masks: list[np.ndarray]  # bool, per completion token: the model's own (False: a tool's, the environment's)
 
     @classmethod
     def from_groups(cls, groups: list[RolloutGroup]) -> Samples:
-        p, c, s, e, r, v = [], [], [], [], [], []
+        p, c, s, e, r, v, m = [], [], [], [], [], [], []
         for g in groups:
             for k in range(g.num_generations):
                 p.append(g.prompt_ids)
                 c.append(g.completion(k))
                 s.append(g.completion_logprobs(k))
+                m.append(g.completion_loss_mask(k))
                 v.append(g.version)
             e.append(g.eos)
             r.append(g.rewards)
-        return cls(p, c, s, np.concatenate(e), np.concatenate(r).astype(np.float32), np.asarray(v))
+        return cls(p, c, s, np.concatenate(e), np.concatenate(r).astype(np.float32), np.asarray(v), m)
 
     def __len__(self) -> int:
         return len(self.completions)
 
+    def trained(self, i: int, mask_truncated: bool) -> bool:
+        """Sample i enters the loss at all (mask_truncated_completions drops one that never emitted EOS)."""
+        return bool(self.eos[i]) or not mask_truncated
+
     def loss_mask_counts(self, rows, mask_truncated: bool) -> int:
-        return int(sum(len(self.completions[i]) for i in rows if self.eos[i] or not mask_truncated))
+        """The tokens the loss sees in these rows: the model's own, of the samples trained (dapo's count)."""
+        return int(sum(self.loss_masks[i].sum() for i in rows if self.trained(i, mask_truncated)))
 
 
 def collate(s: Samples, rows, advantages: torch.Tensor, *, pad_id: int, mask_truncated: bool) -> dict:
@@ -59,8 +66,8 @@ def collate(s: Samples, rows, advantages: torch.Tensor, *, pad_id: int, mask_tru
         ids[b, P:P + len(c)] = torch.as_tensor(c, dtype=torch.long)
         comp[b, :len(c)] = torch.as_tensor(c, dtype=torch.long)
         samp[b, :len(c)] = torch.as_tensor(s.sampler_logprobs[i], dtype=torch.float32)
-        if s.eos[i] or not mask_truncated:
-            mask[b, :len(c)] = True
+        if s.trained(i, mask_truncated):
+            mask[b, :len(c)] = torch.as_tensor(s.loss_masks[i], dtype=torch.bool)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)  # positions as an unpadded sequence (what vLLM sees)
     return {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "completion_ids": comp,
             "mask": mask, "sampler_logp": samp, "advantages": advantages[rows].float()}

@@ -39,6 +39,9 @@ class RolloutGroup:
     worker: int = -1
     timings: dict[str, float] = field(default_factory=dict)  # queue_s, generate_s, score_s
     columns: dict[str, Any] = field(default_factory=dict)
+    # aligned with tokens, multi-turn episodes: True on the tokens the model sampled, False on those a tool or the
+    # environment put there (trained on as context, never as actions); None: every token is the model's
+    loss_mask: np.ndarray | None = None
 
     @property
     def num_generations(self) -> int:
@@ -49,6 +52,13 @@ class RolloutGroup:
 
     def completion_logprobs(self, g: int) -> np.ndarray:
         return self.sampler_logprobs[self.offsets[g] : self.offsets[g + 1]]
+
+    def completion_loss_mask(self, g: int) -> np.ndarray:
+        """bool [L]: which of completion g's tokens the loss sees (the model's own)."""
+        n = int(self.offsets[g + 1] - self.offsets[g])
+        if self.loss_mask is None:
+            return np.ones(n, dtype=bool)
+        return self.loss_mask[self.offsets[g] : self.offsets[g + 1]].astype(bool)
 
     @property
     def lengths(self) -> np.ndarray:

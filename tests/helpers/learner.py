@@ -75,3 +75,18 @@ def started(learner):
     """A Learner built in this process and set up (its lifecycle's first step)."""
     learner.setup()
     return learner
+
+
+def with_tool_spans(groups, seed=0):
+    """The groups as multi-turn episodes: in each completion a span of tokens (never the first) becomes a tool's
+    output (loss_mask False), the rest the model's own. -> the same groups, masks set."""
+    rng = np.random.default_rng(seed)
+    for g in groups:
+        mask = np.ones(len(g.tokens), dtype=bool)
+        for k in range(g.num_generations):
+            a, b = int(g.offsets[k]), int(g.offsets[k + 1])
+            if b - a >= 3:
+                start = int(rng.integers(a + 1, b - 1))
+                mask[start:int(rng.integers(start + 1, b))] = False
+        g.loss_mask = mask
+    return groups

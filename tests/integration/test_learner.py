@@ -12,7 +12,7 @@ import torch
 from tandem.learner.actor import Learner
 from tandem.learner.safe_load import CheckpointRefused
 from tests.helpers import ROOT, make_job
-from tests.helpers.learner import make_groups, reference_step, sgd, started
+from tests.helpers.learner import make_groups, reference_step, sgd, started, with_tool_spans
 
 pytestmark = pytest.mark.integration
 REWARD = f"{ROOT}/examples/rewards.py:length_reward"
@@ -84,6 +84,29 @@ def test_all_loss_terms_match_whole_batch(tmp_path, tiny_model, level, mu):
     assert lora and all(hasattr(m, "_peft_forward") for m in lora)  # the fused LoRA op, against peft's in the reference
     lr.train(groups)
     close(lr.trainable_parameters(), reference_step(cfg, groups, LR, iterations=mu))
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_tool_tokens_are_context_not_actions_on_the_fused_path(tmp_path, tiny_model, loss_type):
+    """Multi-turn groups (a tool's span in each completion, loss_mask False): the learner's micro-batched, fused
+    path equals docs/grpo.md §4 on the whole batch with those tokens masked (dapo counting the model's tokens only),
+    and moving the tool tokens' sampler log-probs (TIS on) moves no parameter at all."""
+    import copy
+
+    import numpy as np
+
+    groups = with_tool_spans(make_groups(2, 4, seed=13), seed=3)
+    cfg = job(tmp_path, tiny_model, per=4, ga=2, spg=2, loss_type=loss_type,
+              grpo={"beta": 0.1, "vllm_importance_sampling_correction": True, "vllm_importance_sampling_cap": 1.2})
+    a = started(Learner(cfg, port=free_port(), optimizer=sgd(LR)))
+    a.train(groups)
+    close(a.trainable_parameters(), reference_step(cfg, groups, LR))
+    moved = copy.deepcopy(groups)
+    for g in moved:
+        g.sampler_logprobs = np.where(g.loss_mask, g.sampler_logprobs, g.sampler_logprobs - 5.0).astype(np.float32)
+    b = started(Learner(cfg, port=free_port(), optimizer=sgd(LR)))
+    b.train(moved)
+    close(b.trainable_parameters(), a.trainable_parameters(), tol=0)
 
 
 def test_zero3_with_reference_and_two_epochs_matches_whole_batch(tmp_path, tiny_model):
