@@ -1,0 +1,117 @@
+"""Tools for multi-turn episodes: the tool-call parser of a chat format (a named, swappable part) and the runner
+that calls a turn's tools concurrently, each within a time limit, off the engine's thread.
+
+A tool is a plain function or coroutine function with type hints and a docstring, as TRL's `tools=` takes them
+(its JSON schema, transformers' `get_json_schema`, goes into the chat template's tool section). Whatever goes
+wrong in a call (malformed call JSON, an unknown tool, bad arguments, an exception, the time limit) becomes an
+error message to the model and a counted failure, never an exception out of the episode: TRL and verl answer
+`{"error": ...}` the same way."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict
+
+
+@dataclass
+class ParsedTurn:
+    """A model turn read for tool calls: the calls, and the error message of each call that could not be read."""
+
+    calls: list[ToolCall] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+class HermesToolCalls:
+    """Qwen2.5 / Hermes: each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in the turn's
+    text (Qwen's chat template writes them so, and TRL and verl's `format: hermes` read them so)."""
+
+    name = "hermes"
+    BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.S)
+
+    def parse(self, text: str) -> ParsedTurn:
+        out = ParsedTurn()
+        for m in self.BLOCK.finditer(text):
+            body, closed = m.group(1).strip(), bool(m.group(2))
+            if not closed:
+                out.errors.append("tool call not closed with </tool_call>")
+                continue
+            try:
+                call = json.loads(body)
+            except json.JSONDecodeError as e:
+                out.errors.append(f"tool call is not valid JSON ({e.msg} at character {e.pos})")
+                continue
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                out.errors.append('tool call needs {"name": <string>, "arguments": {...}}')
+                continue
+            args = call.get("arguments", {})
+            if isinstance(args, str):  # some models write the arguments as a JSON string
+                try:
+                    args = json.loads(args)
+                except json.JSONDecodeError:
+                    pass
+            if not isinstance(args, dict):
+                out.errors.append(f"tool call {call['name']!r}: arguments must be a JSON object")
+                continue
+            out.calls.append(ToolCall(call["name"], args))
+        return out
+
+
+TOOL_CALL_PARSERS = {HermesToolCalls.name: HermesToolCalls}
+
+
+@dataclass
+class ToolResult:
+    name: str
+    content: str  # what the model reads: the tool's result as text, or {"error": ...}
+    failed: bool
+    seconds: float
+
+
+async def call_tools(calls: list[ToolCall], tools: dict[str, Callable], timeout_s: float | None) -> list[ToolResult]:
+    """Every call of one turn at once (a sync tool in a thread, a coroutine awaited), each within timeout_s;
+    -> one result per call, in the calls' order. A sync tool past its limit is abandoned, not stopped: its
+    thread runs on (Python cannot stop a thread), so a tool that may hang should be async or bound itself."""
+    return list(await asyncio.gather(*(_call(c, tools, timeout_s) for c in calls)))
+
+
+async def _call(call: ToolCall, tools: dict[str, Callable], timeout_s: float | None) -> ToolResult:
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    fn = tools.get(call.name)
+    if fn is None:
+        return ToolResult(call.name, _error(f"unknown tool {call.name!r}; the tools are {sorted(tools)}"), True, 0.0)
+    try:
+        inspect.signature(fn).bind(**call.arguments)
+    except TypeError as e:
+        return ToolResult(call.name, _error(f"{call.name}: {e}"), True, 0.0)
+    work = fn(**call.arguments) if inspect.iscoroutinefunction(fn) else asyncio.to_thread(fn, **call.arguments)
+    try:
+        value = await asyncio.wait_for(work, timeout_s)
+    except asyncio.TimeoutError:
+        return ToolResult(call.name, _error(f"{call.name}: no result within {timeout_s:g} s"), True, loop.time() - t0)
+    except Exception as e:  # noqa: BLE001 - the model reads it; the episode goes on
+        return ToolResult(call.name, _error(f"{call.name} raised {type(e).__name__}: {e}"), True, loop.time() - t0)
+    return ToolResult(call.name, value if isinstance(value, str) else json.dumps(value, default=str), False,
+                      loop.time() - t0)
+
+
+def _error(message: str) -> str:
+    return json.dumps({"error": message})
+
+
+def tool_schemas(tools: list[Callable]) -> list[dict[str, Any]]:
+    """The JSON schema of each tool from its type hints and Google-style docstring, as TRL passes them to the chat
+    template (transformers' get_json_schema; a tool without them is refused there, naming it)."""
+    from transformers.utils import get_json_schema
+
+    return [get_json_schema(fn) for fn in tools]

@@ -1,0 +1,100 @@
+"""Multi-turn tools without an engine: the Hermes/Qwen tool-call parser, and the runner that calls a turn's tools
+concurrently within a time limit, every failure an error message to the model and a counted failure."""
+
+import asyncio
+import json
+import threading
+import time
+
+from tandem.rollout.tools import TOOL_CALL_PARSERS, ToolCall, call_tools, tool_schemas
+
+parse = TOOL_CALL_PARSERS["hermes"]().parse
+
+
+def test_calls_are_read_in_order_and_what_cannot_be_read_is_named():
+    text = ('I will look. <tool_call>\n{"name": "search", "arguments": {"q": "GRPO"}}\n</tool_call> and '
+            '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>'
+            '<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>'
+            '<tool_call>["add"]</tool_call><tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>'
+            '<tool_call>{"name": "search", "arguments": {"q": "cut by the bud')
+    turn = parse(text)
+    assert [(c.name, c.arguments) for c in turn.calls] == [("search", {"q": "GRPO"}), ("add", {"a": 1, "b": 2})]
+    assert len(turn.errors) == 4
+    assert turn.errors[0].startswith("tool call is not valid JSON (")
+    assert 'needs {"name"' in turn.errors[1] and "arguments must be a JSON object" in turn.errors[2]
+    assert turn.errors[3] == "tool call not closed with </tool_call>"
+    assert parse("no call here").calls == [] and parse("no call here").errors == []
+
+
+def add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def broken(x: str) -> str:
+    """Always fails.
+
+    Args:
+        x: anything
+    """
+    raise ValueError(f"cannot use {x}")
+
+
+async def slow(seconds: float) -> str:
+    """Sleeps.
+
+    Args:
+        seconds: how long
+    """
+    await asyncio.sleep(seconds)
+    return "late"
+
+
+def test_each_failure_is_a_message_to_the_model_and_the_rest_run():
+    tools = {"add": add, "broken": broken, "slow": slow}
+    calls = [ToolCall("add", {"a": 2, "b": 3}), ToolCall("broken", {"x": "it"}), ToolCall("slow", {"seconds": 30}),
+             ToolCall("nope", {}), ToolCall("add", {"a": 1})]
+    t0 = time.monotonic()
+    got = asyncio.run(call_tools(calls, tools, timeout_s=0.5))
+    assert time.monotonic() - t0 < 10  # the 30 s tool was abandoned at its limit
+    assert [r.failed for r in got] == [False, True, True, True, True]
+    assert got[0].content == "5"
+    errors = [json.loads(r.content)["error"] for r in got[1:]]
+    assert errors[0] == "broken raised ValueError: cannot use it"
+    assert errors[1] == "slow: no result within 0.5 s"
+    assert errors[2].startswith("unknown tool 'nope'; the tools are ['add', 'broken', 'slow']")
+    assert errors[3].startswith("add: missing a required argument: 'b'")
+
+
+def test_the_calls_of_one_turn_run_at_once():
+    """Two tools that each wait for the other to have started: they finish only if they run concurrently (run one
+    after the other, the first would time out)."""
+    started = {"sync": threading.Event(), "async": threading.Event()}
+
+    def sync_side() -> str:
+        """Waits for the other side."""
+        started["sync"].set()
+        return "ok" if started["async"].wait(5) else "alone"
+
+    async def async_side() -> str:
+        """Waits for the other side."""
+        started["async"].set()
+        for _ in range(500):
+            if started["sync"].is_set():
+                return "ok"
+            await asyncio.sleep(0.01)
+        return "alone"
+
+    got = asyncio.run(call_tools([ToolCall("a", {}), ToolCall("b", {})], {"a": sync_side, "b": async_side}, 10))
+    assert [r.content for r in got] == ["ok", "ok"]
+
+
+def test_the_schema_comes_from_hints_and_docstring():
+    schema = tool_schemas([add])[0]
+    assert schema["function"]["name"] == "add" and schema["function"]["description"] == "Add two numbers."
+    assert schema["function"]["parameters"]["properties"]["a"] == {"type": "integer", "description": "the first"}
