@@ -2,13 +2,17 @@
 typed commands through one inbox and wait on what they handed in; nothing else touches the engine.
 
 Commands:
-  Sample(request)        sample one prompt's completions (a request; an episode's next turn re-enters as one)
+  Sample(request, hold)  sample one prompt's completions (a request; an episode's next turn re-enters as one,
+                         pinned to the version its episode started on); hold: that version stays loaded after the
+                         request ends, until Release (an episode's first turn holds it, its end releases it)
+  Release(v)             an episode on version v has ended
   LoadVersion(v, ...)    serve policy version v from now on (an adapter or full weights)
   STOP                   end the loop
 
 Queues, and the order they are taken in each turn (the rule lives in `_turn`):
   held     an engine that serves one version at a time (weights merged) does not load a new version while
-           requests run: that command and every command after it wait here, and the engine drains first
+           requests run or an episode holds a version: that command and every command after it wait here, and
+           the engine drains first
   inbox    what the call threads sent since the last turn
   early    requests for a version not served yet (sent while that version is being published): kept until a
            load makes it served
@@ -42,10 +46,12 @@ ARRIVAL_GAP_S = 0.005
 class Request:
     """A prompt between its arrival and its completions: the calling thread waits on `done`."""
 
-    __slots__ = ("ids", "sampling", "min_version", "version", "result", "error", "done", "submitted")
+    __slots__ = ("ids", "sampling", "min_version", "pin", "version", "result", "error", "done", "submitted")
 
-    def __init__(self, ids: np.ndarray, sampling: Sampling, min_version: int = 0):
-        self.ids, self.sampling, self.min_version = ids, sampling, min_version
+    def __init__(self, ids: np.ndarray, sampling: Sampling, min_version: int = 0, pin: int | None = None):
+        """min_version: sampled with this version or a newer one; pin: with exactly this one (an episode's later
+        turns, on the version its first turn held)."""
+        self.ids, self.sampling, self.min_version, self.pin = ids, sampling, min_version, pin
         self.version, self.result, self.error = 0, None, None  # version: the one it was sampled with
         self.done = threading.Event()
         self.submitted = 0.0
@@ -58,6 +64,12 @@ class Request:
 @dataclass
 class Sample:
     request: Request
+    hold: bool = False  # keep the version it starts on loaded after it ends, until Release
+
+
+@dataclass
+class Release:
+    version: int
 
 
 @dataclass
@@ -85,6 +97,7 @@ class EngineLoop:
         self._early: list[Sample] = []
         self._running: dict[int, Request] = {}
         self._in_use: Counter = Counter()  # version -> requests running on it
+        self._holds: Counter = Counter()  # version -> episodes between two turns on it
         self._next_key = 0
         self._times_lock = threading.Lock()
         self.times = {"generate_s": 0.0, "busy_s": 0.0}
@@ -109,26 +122,31 @@ class EngineLoop:
 
     def _turn(self) -> None:
         due = any(s.request.min_version <= self.version for s in self._early)  # its version loaded meanwhile
-        idle = not (self._running or self._held or due)
+        # nothing to do until a command comes: nothing runs, nothing is due, and what is held (if anything) waits
+        # for an episode's next turn or its release, which come through the inbox
+        idle = not (self._running or due or (self._held and not +self._holds))
         commands, self._held = self._held + (self._arrivals() if idle else []), []
         commands += self._drain_inbox()
         commands, self._early = commands + self._early, []
-        batch: list[Request] = []
-        for i, cmd in enumerate(commands):
+        batch: list[Sample] = []
+        for cmd in commands:
             if cmd is STOP:
                 self._stop.set()  # this turn ends what it has begun; no next turn
-                continue
-            if isinstance(cmd, LoadVersion):
-                if self._running and self.engine.serves_one_version:
-                    self._held = commands[i:]  # drain first: the load and what follows it wait
-                    break
-                self._load(cmd)
-            elif cmd.request.min_version > self.version:
+            elif self._held and not continues_episode(cmd):
+                self._held.append(cmd)  # behind a load that waits: the order is kept
+            elif isinstance(cmd, Release):
+                self._holds[cmd.version] -= 1
+            elif isinstance(cmd, LoadVersion):
+                if (self._running or +self._holds) and self.engine.serves_one_version:
+                    self._held.append(cmd)  # drain first: the load and what follows it wait (an episode's turns pass)
+                else:
+                    self._load(cmd)
+            elif cmd.request.pin is None and cmd.request.min_version > self.version:
                 self._early.append(cmd)
             elif self.engine.streams:
-                self._add(cmd.request)
+                self._add(cmd)
             else:
-                batch.append(cmd.request)
+                batch.append(cmd)
         self._step(batch)
 
     def _drain_inbox(self) -> list:
@@ -153,18 +171,26 @@ class EngineLoop:
     def _adapter(self, version: int) -> int | None:
         return version if (version > 0 and self.lora) else None
 
-    def _add(self, req: Request) -> None:
-        req.version, req.submitted = self.version, time.time()
+    def _start_version(self, cmd: Sample) -> int:
+        """The version a request starts on: its pin, else the newest; a hold keeps it loaded past the request."""
+        v = self.version if cmd.request.pin is None else cmd.request.pin
+        self._holds[v] += cmd.hold
+        return v
+
+    def _add(self, cmd: Sample) -> None:
+        req = cmd.request
+        req.version, req.submitted = self._start_version(cmd), time.time()
         try:
             self.engine.add(self._next_key, req.ids, req.sampling, adapter=self._adapter(req.version))
         except Exception as e:  # noqa: BLE001 - refused by the engine (bad sampling, too long): its caller
-            req.fail(e)  # hears it; the loop and every other request go on
+            self._holds[req.version] -= cmd.hold  # hears it; the loop and every other request go on
+            req.fail(e)
             return
         self._in_use[req.version] += 1
         self._running[self._next_key] = req
         self._next_key += 1
 
-    def _step(self, batch: list[Request]) -> None:
+    def _step(self, batch: list[Sample]) -> None:
         if not (batch or self._running):
             return
         t0 = time.time()
@@ -175,7 +201,7 @@ class EngineLoop:
                 for key, comps in self.engine.step():
                     self._finish(self._running.pop(key), comps)
         except BaseException as e:  # noqa: BLE001 - the engine broke: every waiting call hears it
-            for req in list(self._running.values()) + batch:
+            for req in list(self._running.values()) + [c.request for c in batch]:
                 req.fail(e)
             self._running.clear()
             self._in_use.clear()
@@ -189,15 +215,15 @@ class EngineLoop:
             self.times["generate_s"] += time.time() - req.submitted
         req.done.set()
 
-    def _generate(self, reqs: list[Request]) -> None:
-        by: dict[Sampling, list[Request]] = {}
-        for r in reqs:
-            by.setdefault(r.sampling, []).append(r)
-        for sampling, group in by.items():
+    def _generate(self, cmds: list[Sample]) -> None:
+        by: dict[tuple, list[Request]] = {}
+        for c in cmds:
+            by.setdefault((c.request.sampling, self._start_version(c)), []).append(c.request)
+        for (sampling, version), group in by.items():
             t0 = time.time()
-            outs = self.engine.generate([r.ids for r in group], sampling, adapter=self._adapter(self.version))
+            outs = self.engine.generate([r.ids for r in group], sampling, adapter=self._adapter(version))
             for r, comps in zip(group, outs):
-                r.version, r.submitted, r.result = self.version, t0, comps
+                r.version, r.submitted, r.result = version, t0, comps
                 r.done.set()
             with self._times_lock:
                 self.times["generate_s"] += time.time() - t0
@@ -209,7 +235,7 @@ class EngineLoop:
                     self.engine.load_adapter(cmd.version, cmd.tensors)
                     # versions nobody samples with any more leave the engine (the newest stays)
                     self.engine.drop_adapters([v for v in self.engine.adapter_versions
-                                               if v < cmd.version and not self._in_use[v]])
+                                               if v < cmd.version and not self._in_use[v] and self._holds[v] <= 0])
                 else:
                     self.engine.load_weights(cmd.version, cmd.tensors)
                 self.version = cmd.version
@@ -217,3 +243,9 @@ class EngineLoop:
             cmd.error = e
         finally:
             cmd.done.set()
+
+
+def continues_episode(cmd) -> bool:
+    """An episode's next turn or its end: it passes a load that waits for the engine to drain (the load waits for
+    it, so holding it back behind the load would never end)."""
+    return isinstance(cmd, Release) or (isinstance(cmd, Sample) and cmd.request.pin is not None)

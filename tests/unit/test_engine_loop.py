@@ -184,3 +184,49 @@ def test_a_load_that_fails_is_handed_to_its_sender_and_the_version_stays():
     assert isinstance(cmd.error, RuntimeError) and loop.version == 0
     with pytest.raises(RuntimeError, match="bad adapter"):
         raise cmd.error
+
+
+def test_an_episode_keeps_its_version_across_turns_and_holds_it_loaded_until_released():
+    """Turn 1 holds the version it starts on (v1); while its tool runs, v2 and v3 load; turn 2, pinned to v1, runs on
+    v1 and v1 stays in the engine until the episode releases it (unused versions leave as before)."""
+    from tandem.rollout.engine_loop import Release
+
+    eng = ScriptedEngine(steps=1)
+    loop, t = started(eng)
+    load(loop, 1)
+    turn1 = request()
+    loop.submit(Sample(turn1, hold=True))
+    finish(turn1)
+    load(loop, 2)
+    load(loop, 3)
+    assert 1 in eng.loaded and 2 not in eng.loaded  # held, where an unused older version left
+    turn2 = Request(np.array([1, 2], np.int32), SAMPLING, min_version=0, pin=turn1.version)
+    loop.submit(Sample(turn2))
+    finish(turn2)
+    loop.submit(Release(turn1.version))
+    load(loop, 4)
+    loop.stop()
+    t.join(5)
+    assert (turn1.version, turn2.version) == (1, 1) and ("add", 1, 1) in eng.events
+    assert 1 not in eng.loaded  # released: it leaves at the next load
+
+
+def test_an_engine_serving_one_version_waits_for_held_episodes_before_a_new_one():
+    from tandem.rollout.engine_loop import Release
+
+    eng = ScriptedEngine(steps=1, serves_one_version=True)
+    loop, t = started(eng)
+    turn1 = request()
+    loop.submit(Sample(turn1, hold=True))
+    finish(turn1)
+    cmd = LoadVersion(1, {})
+    loop.submit(cmd)
+    assert not cmd.done.wait(0.3)  # the episode on version 0 has not ended
+    turn2 = Request(np.array([1, 2], np.int32), SAMPLING, pin=0)
+    loop.submit(Sample(turn2))
+    finish(turn2)
+    loop.submit(Release(0))
+    assert cmd.done.wait(5) and loop.version == 1
+    loop.stop()
+    t.join(5)
+    assert turn2.version == 0 and eng.events.index(("add", 1, None)) < eng.events.index(("load", 1))
