@@ -463,11 +463,12 @@ def parts_state(st: dict, rows: int) -> dict:
     the trained and filtered groups instead of EpochRecords)."""
     if "progress" in st:
         return st
-    trained = st["trained"] if "trained" in st else EpochRecord.from_pairs(rows, st["seen"]).state()
-    filtered = (EpochRecord.from_pairs(rows, st.get("filtered", []), "filtered") if "trained" not in st
-                else EpochRecord(rows, "filtered"))
-    if "trained" in st:
+    if "trained" in st:  # EpochRecords
+        trained, filtered = st["trained"], EpochRecord(rows, "filtered")
         filtered.load(st["filtered"])
+    else:  # lists of (epoch, index, version)
+        trained = EpochRecord.from_pairs(rows, st["seen"]).state()
+        filtered = EpochRecord.from_pairs(rows, st.get("filtered", []), "filtered")
     for e, i, _ in st.get("filler", []):
         filtered.add(e, i)
     return {"source": dict(st["cursor"], next_group_id=st["next_group_id"]),

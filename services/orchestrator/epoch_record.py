@@ -10,6 +10,7 @@ from collections import Counter, deque
 
 import numpy as np
 
+RECENT = 4096  # the latest trained / filtered groups kept in memory with their versions (metrics, a reader)
 OPEN_EPOCHS = 3  # a re-queued prompt of an older epoch can still arrive while newer epochs run
 
 
@@ -68,7 +69,7 @@ class TrainedRecord:
 
     TRANSIENT = ("recent",)  # in memory only: after a resume it holds what this process trained
 
-    def __init__(self, rows: int, recent: int = 4096):
+    def __init__(self, rows: int, recent: int = RECENT):
         self.epochs = EpochRecord(rows, "trained on")
         self.recent: deque = deque(maxlen=recent)  # (epoch, index, version)
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from tandem.services.orchestrator.epoch_record import EpochRecord
-
-RECENT = 4096  # filtered groups kept in memory with their versions (metrics and a reader)
+from tandem.services.orchestrator.epoch_record import RECENT, EpochRecord
 
 
 class GroupBuffer:
@@ -52,7 +50,6 @@ class GroupBuffer:
         self.groups.append((meta, ref))
         return True
 
-    add = admit
 
     def oversampled(self) -> bool:
         return self.dynamic and self.sampled >= self.max_prompts

@@ -63,7 +63,7 @@ def test_state_round_trip_hands_out_pending_first_then_continues():
 def test_group_buffer_drops_only_groups_staler_than_k():
     buf = GroupBuffer(max_staleness=1)
     for v in (0, 1, 2, 2):
-        buf.add({"version": v, "index": v, "epoch": 0}, f"ref{v}")
+        buf.admit({"version": v, "index": v, "epoch": 0}, f"ref{v}")
     stale = buf.drop_stale(version=2)
     assert [m["version"] for m in stale] == [0] and len(buf) == 3
     assert [r for _, r in buf.take(2)] == ["ref1", "ref2"] and len(buf) == 1
