@@ -4,7 +4,8 @@ typed commands through one inbox and wait on what they handed in; nothing else t
 Commands:
   Sample(request, hold)  sample one prompt's completions (a request; an episode's next turn re-enters as one,
                          pinned to the version its episode started on); hold: that version stays loaded after the
-                         request ends, until Release (an episode's first turn holds it, its end releases it)
+                         request ends, until `hold` Releases (a group's first turn holds it once per episode, each
+                         episode's end releases it)
   Release(v)             an episode on version v has ended
   LoadVersion(v, ...)    serve policy version v from now on (an adapter or full weights)
   STOP                   end the loop
@@ -46,7 +47,8 @@ ARRIVAL_GAP_S = 0.005
 class Request:
     """A prompt between its arrival and its completions: the calling thread waits on `done`."""
 
-    __slots__ = ("ids", "sampling", "min_version", "pin", "version", "result", "error", "done", "submitted")
+    __slots__ = ("ids", "sampling", "min_version", "pin", "version", "result", "error", "done", "submitted",
+                 "_callbacks")
 
     def __init__(self, ids: np.ndarray, sampling: Sampling, min_version: int = 0, pin: int | None = None):
         """min_version: sampled with this version or a newer one; pin: with exactly this one (an episode's later
@@ -55,16 +57,31 @@ class Request:
         self.version, self.result, self.error = 0, None, None  # version: the one it was sampled with
         self.done = threading.Event()
         self.submitted = 0.0
+        self._callbacks: list = []
 
     def fail(self, error: BaseException) -> None:
         self.error = error
+        self.finish()
+
+    def finish(self) -> None:
+        """Done (result or error set): wakes the thread waiting on `done` and the callbacks (an episode's
+        coroutine waits so, rollout/episodes.py)."""
         self.done.set()
+        for fn in list(self._callbacks):
+            fn()
+
+    def when_done(self, fn) -> None:
+        """Call fn() from the engine loop's thread once done (at once, here, if it is). fn may run twice when it
+        is added as the request finishes: it must be idempotent."""
+        self._callbacks.append(fn)
+        if self.done.is_set():
+            fn()
 
 
 @dataclass
 class Sample:
     request: Request
-    hold: bool = False  # keep the version it starts on loaded after it ends, until Release
+    hold: int = 0  # keep the version it starts on loaded after it ends, until this many Release (its episodes)
 
 
 @dataclass
@@ -213,7 +230,7 @@ class EngineLoop:
         req.result = comps
         with self._times_lock:
             self.times["generate_s"] += time.time() - req.submitted
-        req.done.set()
+        req.finish()
 
     def _generate(self, cmds: list[Sample]) -> None:
         by: dict[tuple, list[Request]] = {}
@@ -224,7 +241,7 @@ class EngineLoop:
             outs = self.engine.generate([r.ids for r in group], sampling, adapter=self._adapter(version))
             for r, comps in zip(group, outs):
                 r.version, r.submitted, r.result = version, t0, comps
-                r.done.set()
+                r.finish()
             with self._times_lock:
                 self.times["generate_s"] += time.time() - t0
 

@@ -15,11 +15,16 @@ def is_chat(prompt: Any) -> bool:
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
 
 
-def tokenize_prompt(tokenizer, prompt: Any, *, max_prompt_length: int, truncate: bool, row: int) -> np.ndarray:
-    """Chat prompts (lists of messages) get the chat template with the generation prompt;
-    text prompts are tokenized as they are. Too long: an error naming the row, or left-truncation."""
+def tokenize_prompt(tokenizer, prompt: Any, *, max_prompt_length: int, truncate: bool, row: int,
+                    tools: list[dict] | None = None) -> np.ndarray:
+    """Chat prompts (lists of messages) get the chat template with the generation prompt (and the tools' schemas in
+    its tool section, as TRL renders them); text prompts are tokenized as they are. Too long: an error naming the
+    row, or left-truncation."""
+    if tools and not is_chat(prompt):
+        raise PromptError(f"dataset row {row}: a job with tools needs chat prompts (a list of messages), got "
+                          f"{type(prompt).__name__}: the tools' schemas and results go through the chat template")
     if is_chat(prompt):
-        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(prompt, tools=tools or None, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
     elif isinstance(prompt, str):

@@ -10,10 +10,12 @@ request runs to the end on the adapter version it started with, and its group re
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,8 +30,9 @@ from tandem.core.protocol import (
     pack_completions,
 )
 from tandem.core.shaping import is_informative, overlong_penalty
-from tandem.rollout.engine_loop import EngineLoop, LoadVersion, Request, Sample
-from tandem.rollout.engines.base import Sampling
+from tandem.rollout.engine_loop import EngineLoop, LoadVersion, Release, Request, Sample
+from tandem.rollout.engines.base import Completion, Sampling
+from tandem.rollout.episodes import Episode, EventLoopThread, episode_stats
 from tandem.rollout.prompts import completion_views
 from tandem.rollout.rewards import IsolatedRewards, RewardError, RewardFunctions
 
@@ -60,6 +63,7 @@ class RolloutWorker:
         self.cfg, self.worker_id = cfg, worker_id
         self.sampling = Sampling.from_config(cfg)
         self.loop = EngineLoop(lora=cfg.model.lora is not None)
+        self.episodes = None  # the episode runner of a job with tools (setup)
         self._ready = threading.Event()
         self._setup_error: BaseException | None = None
         self._lock = threading.Lock()  # stats
@@ -81,6 +85,9 @@ class RolloutWorker:
                             IsolatedRewards(self.cfg.rewards, t, int(self.cfg.cluster.rollout_resources.num_cpus)))
             self.rewards.start()
             self.tok = AutoTokenizer.from_pretrained(self.cfg.model.path)
+            self.episodes = episode_runner(self.cfg, self.tok, self.loop.submit)
+            if self.episodes is not None:
+                self.episodes_loop = EventLoopThread()
         except BaseException as e:
             self._setup_error = e
             self._ready.set()
@@ -122,6 +129,8 @@ class RolloutWorker:
             self.engine.close()
         if getattr(self, "rewards", None) is not None:
             self.rewards.close()
+        if getattr(self, "episodes_loop", None) is not None:
+            self.episodes_loop.close()
 
     def _await_ready(self) -> None:
         self._ready.wait()  # a threaded actor may run a call before setup has finished
@@ -142,15 +151,24 @@ class RolloutWorker:
             raise cmd.error
         return self.version
 
-    def _sample(self, items: list[PromptItem], sampling: Sampling) -> list[Request]:
+    def _sample(self, items: list[PromptItem], sampling: Sampling) -> list[Sampled]:
+        """Each item's completions: sampled in one request of n completions; with tools, the n episodes that
+        begin with them (their first turn holds its version once per episode, each episode's end releases it)."""
+        hold = sampling.n if self.episodes is not None else 0
         reqs = [Request(it.prompt_ids, sampling, it.min_version) for it in items]
         for r in reqs:
-            self.loop.submit(Sample(r))
+            self.loop.submit(Sample(r, hold=hold))
         for r in reqs:
             r.done.wait()
-            if r.error is not None:
-                raise r.error
-        return reqs
+        error = next((r.error for r in reqs if r.error is not None), None)
+        if error is not None:
+            for r in reqs:  # the episodes that will not run give their version back
+                for _ in range(hold if r.error is None else 0):
+                    self.loop.submit(Release(r.version))
+            raise error
+        if not hold:
+            return [Sampled(r.result, r.version, r.submitted) for r in reqs]
+        return self.episodes_loop.run(run_episodes(self.episodes, items, reqs, sampling))
 
     def generate(self, items: list[PromptItem], sampling: Sampling | None = None) -> list[RolloutGroup | RolloutFailure]:
         """The groups of `items`, in order, once all are done. `sampling` overrides the job's sampling
@@ -175,15 +193,16 @@ class RolloutWorker:
             g.lengths, gen.max_completion_length, gr.overlong_buffer_len, gr.overlong_penalty_factor)
         return is_informative(g.rewards, gr.reward_weights, pen)
 
-    def _group(self, it: PromptItem, req: Request, t0: float) -> RolloutGroup | RolloutFailure:
-        comps = req.result
+    def _group(self, it: PromptItem, req: Sampled, t0: float) -> RolloutGroup | RolloutFailure:
+        comps, eps = req.result, req.episodes
         t1 = time.time()
         ids = [c.tokens for c in comps]
         G = len(comps)
         try:
             rewards = self.rewards.score(
                 prompts=[it.prompt] * G,
-                completions=completion_views(self.tok, it.prompt, ids, self.tok.eos_token_id),
+                completions=(completion_views(self.tok, it.prompt, ids, self.tok.eos_token_id) if eps is None
+                             else [e.messages for e in eps]),
                 completion_ids=[c.tolist() for c in ids],
                 columns={k: [v] * G for k, v in it.columns.items()},
                 rows=[it.index] * G,
@@ -210,6 +229,8 @@ class RolloutWorker:
             worker=self.worker_id, columns=it.columns,
             timings={"queue_s": max(t0 - it.queued_at, 0.0) if it.queued_at else 0.0,
                      "generate_s": t1 - req.submitted, "score_s": score_s},
+            loss_mask=None if eps is None else np.concatenate([np.asarray(e.mask, dtype=bool) for e in eps]),
+            episodes=None if eps is None else episode_stats(eps),
         )
 
     def health(self) -> dict:
@@ -222,6 +243,40 @@ class RolloutWorker:
         out["wall_s"] = time.time() - self._started_at
         out.update(worker=self.worker_id, version=self.version)
         return out
+
+
+@dataclass
+class Sampled:
+    """One prompt's completions, the version they were sampled with, when sampling began; with tools, their
+    episodes (each completion is an episode's ids, tool tokens included)."""
+
+    result: list[Completion]
+    version: int
+    submitted: float
+    episodes: list[Episode] | None = None
+
+
+async def run_episodes(runner, items: list[PromptItem], reqs: list[Request], sampling: Sampling) -> list[Sampled]:
+    """The episodes of every item's group at once. A function, not a method: an actor class with a coroutine method
+    becomes an asyncio actor in Ray, whose calls share one thread (publishing would wait behind a rollout)."""
+    groups = await asyncio.gather(*(runner.run(r.result, it.prompt_ids, r.version, sampling)
+                                    for it, r in zip(items, reqs)))
+    return [Sampled([e.completion() for e in eps], r.version, r.submitted, eps) for eps, r in zip(groups, reqs)]
+
+
+def episode_runner(cfg, tokenizer, submit):
+    """The job's episode runner (None for a single-turn job): its tools imported, the chat template checked."""
+    if not cfg.tools:
+        return None
+    from tandem.core.loader import load_function
+    from tandem.rollout.episodes import EpisodeLimits, EpisodeRunner, ToolTurnTemplate
+
+    template = ToolTurnTemplate(tokenizer, cfg.model.path)
+    template.check()
+    tools = {fn.__name__: fn for fn in (load_function(spec) for spec in cfg.tools)}
+    limits = EpisodeLimits(cfg.generation.max_completion_length, cfg.generation.max_tool_calling_iterations,
+                           cfg.tool_timeout_s)
+    return EpisodeRunner(tokenizer, template, tools, limits, submit)
 
 
 def rollout_actor_class(cfg, cls=RolloutWorker):

@@ -33,6 +33,7 @@ from typing import ClassVar
 from tandem.core.config import JobConfigError
 from tandem.core.plan import BatchPlan
 from tandem.core.protocol import errors_as_text
+from tandem.rollout.episodes import episode_metrics
 from tandem.services.orchestrator.checkpointer import Checkpointer, fingerprint, fingerprint_changes
 from tandem.services.orchestrator.data import check_rows, load_rows
 from tandem.services.orchestrator.epoch_record import EpochRecord, TrainedRecord
@@ -158,6 +159,7 @@ class Controller:
         """The prompts (and eval prompts) read, checked and tokenised once, here: workers receive token ids.
         -> the number of rows."""
         from tandem.core.compat import tokenizer_without_torch
+        from tandem.rollout.episodes import job_tool_schemas
         from tandem.rollout.prompts import tokenize_prompt
 
         cfg, pc = self.cfg, self.cfg.data.prompt_column
@@ -168,11 +170,13 @@ class Controller:
 
             tok = AutoTokenizer.from_pretrained(cfg.model.path)
 
+        schemas = job_tool_schemas(cfg, tok)
+
         def table(path: str) -> PromptTable:
             rows = load_rows(path)
             check_rows(rows, pc, path)
             return PromptTable(rows, [tokenize_prompt(tok, r[pc], max_prompt_length=cfg.generation.max_prompt_length,
-                                                      truncate=cfg.data.truncate_long_prompts, row=i)
+                                                      truncate=cfg.data.truncate_long_prompts, row=i, tools=schemas)
                                       for i, r in enumerate(rows)], pc)
         data = table(cfg.data.path)
         self.source = PromptSource(len(data), cfg.seed, cfg.data.shuffle, table=data)
@@ -215,13 +219,16 @@ class Controller:
             time.sleep(2)
 
     def _clear_run_dir(self) -> None:
-        """overwrite_output_dir: the earlier run's record and checkpoints go before this one writes."""
+        """overwrite_output_dir: the earlier run's record, checkpoints and artifact go before this one writes (never
+        the model the job trains: examples keep it at <output_dir>/model)."""
         import shutil
 
         for name in ("metrics.jsonl", "failed_prompts.jsonl"):
             (self.out / name).unlink(missing_ok=True)
+        model = Path(self.cfg.model.path).resolve()
         for d in (Path(self.cfg.checkpoint_dir), self.out / "adapter", self.out / "model"):
-            shutil.rmtree(d, ignore_errors=True)
+            if not model.is_relative_to(d.resolve()):  # the job's own model, kept in its run directory, stays
+                shutil.rmtree(d, ignore_errors=True)
 
     # --------------------------------------------------------------------------------- cycle
 
@@ -355,6 +362,7 @@ class Controller:
             **rollout_rates(before, self._rollout_stats()),
             **{f"count/{k}": v for k, v in self.counters.items()},
             **(sampled if self.cfg.grpo.dynamic_sampling else {}),
+            **episode_metrics([m.get("episodes") for m, _ in batch]),
         }
         return [dict(s, **extra) for s in steps]
 

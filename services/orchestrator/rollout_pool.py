@@ -152,6 +152,10 @@ class RolloutPool:
                 item, group = s.in_flight.pop(ref)
                 try:
                     meta = self.ray.get(ref)
+                except self.ray.exceptions.RayTaskError as e:  # the call raised, the worker lives: that prompt's
+                    # failure (retried once, then recorded), not the worker's; replacing the worker would hand the
+                    # prompt out again to fail again, for ever
+                    meta = {"failure": f"rollout of dataset row {item.index} raised {first_line(e)}", "no_reward": False}
                 except self.ray.exceptions.RayError:  # worker died (or its result was lost)
                     self.counters["worker_failures"] += 1
                     lost += [item] + self._replace(i)
@@ -201,3 +205,10 @@ class RolloutPool:
             except Exception:  # noqa: BLE001 - a worker dying now is handled by poll
                 pass
         return out
+
+
+def first_line(e: BaseException) -> str:
+    """The worker's own error of a RayTaskError, in one line (`Type: message`)."""
+    cause = getattr(e, "cause", None) or e
+    lines = [x for x in str(cause).strip().splitlines() if x.strip()]
+    return f"{type(cause).__name__}: {lines[0] if lines else ''}"

@@ -88,6 +88,26 @@ def reward_errors(cfg: JobConfig) -> list[str]:
     return out
 
 
+def tool_errors(cfg: JobConfig) -> list[str]:
+    """Each tool imports, has a JSON schema (type hints and a docstring, as TRL's tools= needs) and a name of its
+    own (the model calls a tool by its function's name)."""
+    from transformers.utils import get_json_schema
+
+    out, names = [], {}
+    for i, spec in enumerate(cfg.tools or []):
+        try:
+            fn = load_function(spec)
+            get_json_schema(fn)
+        except Exception as e:  # noqa: BLE001 - the message is the point
+            out.append(f"tools[{i}] = {spec!r}: {e}")
+            continue
+        if fn.__name__ in names:
+            out.append(f"tools[{i}] = {spec!r}: a tool named {fn.__name__!r} is already tools[{names[fn.__name__]}]; "
+                       "the model calls tools by name, so each needs its own")
+        names.setdefault(fn.__name__, i)
+    return out
+
+
 def device_error(cfg: JobConfig) -> str | None:
     """float16 trains only with CUDA (DeepSpeed's loss scaling); asked where the learner runs."""
     if cfg.model.dtype != "float16":
@@ -187,6 +207,10 @@ def run_dir_error(cfg: JobConfig) -> str | None:
     out = Path(cfg.logging.output_dir)
     if why := unwritable(str(out)):
         return why
+    if cfg.model.lora is None and Path(cfg.model.path).resolve() == (out / "model").resolve():
+        return (f"model.path = {cfg.model.path!r}: is <output_dir>/model, where a full fine-tuning run writes its "
+                "trained model (it would replace the model it starts from); allowed: the model elsewhere, or another "
+                "logging.output_dir")
     used = run_dir_in_use(cfg)
     if used and not (cfg.checkpoint.resume or cfg.logging.overwrite_output_dir):
         return (f"logging.output_dir = {str(out)!r}: holds an earlier run ({used}); allowed: "
@@ -198,7 +222,7 @@ def run_dir_error(cfg: JobConfig) -> str | None:
 def check_inputs(cfg: JobConfig) -> None:
     """Model, data and reward functions as this machine sees them, and a run directory of its own."""
     raise_if([model_error(cfg), length_error(cfg), data_error(cfg), data_error(cfg, "eval.path"), *reward_errors(cfg),
-              *tracker_errors(cfg), run_dir_error(cfg)])
+              *tool_errors(cfg), *tracker_errors(cfg), run_dir_error(cfg)])
 
 
 def check_learner_device(cfg: JobConfig) -> None:

