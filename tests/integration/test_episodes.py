@@ -115,3 +115,38 @@ def test_a_tool_job_with_staleness_scaling_and_a_killed_worker_loses_no_prompt(r
     assert any(s["tools/call_frequency"] > 0 for s in lines)
     assert not (tmp_path / "run" / "failed_prompts.jsonl").exists()
     ctl.shutdown()
+
+
+def test_a_rollout_call_that_raises_is_that_prompts_failure_not_the_workers(ray_session):
+    """The actor lives and serves the next prompt; the prompt comes back as a failure naming its row and the error
+    (the controller retries it once, then records it). Replacing the worker for it handed the prompt out again to
+    fail again, for ever: the first tool job's symptom."""
+    from collections import Counter
+
+    from tandem.services.orchestrator.rollout_pool import RolloutPool
+
+    @ray_session.remote
+    class OddRowsRaise:
+        def setup(self):
+            return True
+
+        def rollout(self, item):
+            if item.index % 2:
+                raise ValueError(f"row {item.index} cannot be sampled")
+            return {"version": 0, "tokens": 1, "group_id": item.group_id, "informative": True}, "group"
+
+    counters = Counter()
+    pool = RolloutPool(lambda i: (lambda a: (a, a.setup.remote()))(OddRowsRaise.remote()), 4, counters)
+    pool.start(1)
+    actor = pool.slots[0].actor
+    items = iter(PromptItem(group_id=i, index=i, prompt_ids=np.array([1]), prompt="p") for i in range(4))
+    assert pool.feed(lambda: next(items), 4) == 4
+    got = []
+    while len(got) < 4:
+        got += pool.poll(timeout=30)[0]
+    metas = {it.index: meta for it, meta, _ in got}
+    assert metas[1] == {"failure": "rollout of dataset row 1 raised ValueError: row 1 cannot be sampled",
+                        "no_reward": False}
+    assert "failure" not in metas[0] and "failure" not in metas[2] and "row 3" in metas[3]["failure"]
+    assert counters["worker_failures"] == 0 and pool.slots[0].actor is actor
+    pool.shutdown()

@@ -288,3 +288,57 @@ def test_the_rollout_worker_has_no_coroutine_method():
     from tandem.rollout.worker import RolloutWorker
 
     assert [n for n, _ in inspect.getmembers(RolloutWorker, inspect.iscoroutinefunction)] == []
+
+
+# ------------------------------------------------------------------------------------------- the job file
+
+def test_tool_fields_checks_and_trl_names(job_files, tmp_path):
+    """tools are module:function specs, each imported with its schema and a name of its own; TRL's
+    max_tool_calling_iterations maps; a job with tools needs chat prompts."""
+    from tandem.core.checks import tool_errors
+    from tandem.core.config import JobConfig, JobConfigError
+    from tandem.rollout.prompts import PromptError, tokenize_prompt
+
+    t = tmp_path / "tools.py"
+    t.write_text('def add(a: int, b: int) -> int:\n    """Adds.\n\n    Args:\n        a: x\n        b: y\n    """\n'
+                 "    return a + b\n\ndef bare(a):\n    return a\n")
+    with pytest.raises(Exception, match=r"tools\[0\] = 'nocolon': expected 'module:function'"):
+        JobConfig.from_dict({**job_files, "tools": ["nocolon"]})
+    cfg = JobConfig.from_dict({**job_files, "tools": [f"{t}:add", f"{t}:bare", f"{t}:add", f"{t}:nope"]})
+    errors = tool_errors(cfg)
+    assert len(errors) == 3
+    assert errors[0].startswith(f"tools[1] = '{t}:bare': ") and "docstring" in errors[0]
+    assert errors[1] == (f"tools[2] = '{t}:add': a tool named 'add' is already tools[0]; the model calls tools by "
+                         "name, so each needs its own")
+    assert errors[2].startswith(f"tools[3] = '{t}:nope': ") and "no function 'nope'" in errors[2]
+    assert JobConfig.from_trl({"max_tool_calling_iterations": 3}, **job_files).generation.max_tool_calling_iterations == 3
+    assert JobConfig.from_dict(job_files).generation.max_tool_calling_iterations is None
+    with pytest.raises(PromptError, match="dataset row 4: a job with tools needs chat prompts"):
+        tokenize_prompt(build_tokenizer(512, True), "2 + 2", max_prompt_length=64, truncate=False, row=4,
+                        tools=[{"type": "function", "function": {"name": "add"}}])
+    with pytest.raises(JobConfigError):  # the template refusal is one line, as a bad job is
+        raise TemplateError("x")
+
+
+def test_overwrite_keeps_the_jobs_model_and_full_fine_tuning_may_not_write_over_it(job_files, tmp_path):
+    """Examples keep their model at <output_dir>/model: starting over there removes the earlier run's record, never
+    the model; a full fine-tuning run, which writes its trained model to <output_dir>/model, is refused there."""
+    from tandem.core.checks import run_dir_error
+    from tandem.core.config import JobConfig
+    from tandem.services.orchestrator.controller import Controller
+
+    out = tmp_path / "run"
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "config.json").write_text("{}")
+    (out / "metrics.jsonl").write_text("{}\n")
+    (out / "adapter").mkdir()
+    job = {**job_files, "model": {**job_files["model"], "path": str(out / "model")},
+           "logging": {"output_dir": str(out), "overwrite_output_dir": True}}
+    cfg = JobConfig.from_dict(job)
+    ctl = Controller(cfg)
+    ctl._clear_run_dir()
+    assert (out / "model" / "config.json").is_file()
+    assert not (out / "metrics.jsonl").exists() and not (out / "adapter").exists()
+    full = JobConfig.from_dict({**job, "model": {**job["model"], "lora": None}})
+    assert "is <output_dir>/model, where a full fine-tuning run writes its trained model" in run_dir_error(full)
+    assert run_dir_error(cfg) is None
