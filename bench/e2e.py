@@ -159,12 +159,14 @@ def tandem_config(paths, wl, k, args, mode="server", vllm=True):
 
 
 def run_tandem(paths, wl, k, args, mode="server", vllm=True) -> dict:
+    return measure_tandem(tandem_config(paths, wl, k, args, mode, vllm), wl, args.workload == "gpu")
+
+
+def measure_tandem(cfg, wl, gpu: bool) -> dict:
+    """A Tandem job run as `tandem run` runs it (embedded Ray, its controller), timed after the warm-up steps."""
     import shutil
 
     from tandem.services.app.run import start_controller, start_ray
-
-    gpu = args.workload == "gpu"
-    cfg = tandem_config(paths, wl, k, args, mode, vllm)
 
     shutil.rmtree(cfg.logging.output_dir, ignore_errors=True)
     ray = start_ray(None, cfg)
@@ -199,6 +201,7 @@ def run_tandem(paths, wl, k, args, mode="server", vllm=True) -> dict:
         "rollout_busy_frac": med("rollout/busy_frac"), "learner_mfu": med("learner/mfu"),
         "learner_tokens_per_s": med("learner/tokens_per_s"), "launch_to_first_step_s": first_step_s,
         "cores_busy": sum(c > 50 for c in cores), "reward_first": rows[0]["reward"], "reward_last": rows[-1]["reward"],
+        "turns_per_episode": med("episodes/turns_mean"), "tool_calls_per_episode": med("tools/call_frequency"),
     }
     out.update({k2: v for k2, v in gpu_stats.items()})
     if pss is not None:
@@ -265,9 +268,10 @@ def run_vllm(paths, wl, args) -> dict:
             "publish_latency_s": None, **g}
 
 
-def run_trl(paths, wl, args) -> dict:
+def run_trl(paths, wl, args, reward=None, tools=None, **config) -> dict:
     """TRL's GRPOTrainer as its users run it: use_vllm=True, vllm_mode="colocate" on GPU (transformers
-    generate on CPU, its default), its defaults otherwise."""
+    generate on CPU, its default), its defaults otherwise; `tools` and more GRPOConfig fields for the agentic
+    benchmark (bench/agentic.py)."""
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(29600 + os.getpid() % 1000)})
     from datasets import Dataset
@@ -291,7 +295,7 @@ def run_trl(paths, wl, args) -> dict:
                 gradient_accumulation_steps=wl["ga"], num_generations=wl["num_generations"],
                 max_completion_length=wl["max_tokens"], max_steps=n, learning_rate=wl["lr"],
                 lr_scheduler_type="constant", temperature=1.0, beta=0.0, loss_type="dapo", logging_steps=1,
-                report_to="none", save_strategy="no", seed=42)
+                report_to="none", save_strategy="no", seed=42, **config)
     if gpu:
         conf.update(bf16=True, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_memory)
     else:
@@ -299,9 +303,9 @@ def run_trl(paths, wl, args) -> dict:
     lora = wl["lora"]
     peft = LoraConfig(r=lora["r"], lora_alpha=lora["lora_alpha"], target_modules=lora.get("target_modules") or "all-linear",
                       task_type="CAUSAL_LM")
-    tr = GRPOTrainer(model=paths["model"], reward_funcs=ids_reward, args=GRPOConfig(**conf),
+    tr = GRPOTrainer(model=paths["model"], reward_funcs=reward or ids_reward, args=GRPOConfig(**conf),
                      train_dataset=Dataset.from_list(rows), peft_config=peft,
-                     processing_class=AutoTokenizer.from_pretrained(paths["model"]))
+                     processing_class=AutoTokenizer.from_pretrained(paths["model"]), **({"tools": tools} if tools else {}))
     stop = [None]
     pss = PeakPSS() if not gpu else None
 
@@ -325,6 +329,10 @@ def run_trl(paths, wl, args) -> dict:
            "launch_to_first_step_s": first[0] if first else None,
            "reward_first": logs[0].get("reward") if logs else None, "reward_last": logs[-1].get("reward") if logs else None,
            **g}
+    calls = [h["tools/call_frequency"] for h in logs if "tools/call_frequency" in h]
+    if calls:  # TRL logs calls per episode; each call is followed by a turn
+        out["tool_calls_per_episode"] = statistics.median(calls)
+        out["turns_per_episode"] = 1 + out["tool_calls_per_episode"]
     if pss is not None:
         out["pss_gb"] = pss.stop()
     return out

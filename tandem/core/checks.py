@@ -91,6 +91,8 @@ def reward_errors(cfg: JobConfig) -> list[str]:
 def tool_errors(cfg: JobConfig) -> list[str]:
     """Each tool imports, has a JSON schema (type hints and a docstring, as TRL's tools= needs) and a name of its
     own (the model calls a tool by its function's name)."""
+    if not cfg.tools:
+        return []  # transformers (and torch with it) stays out of a controller that only tokenises
     from transformers.utils import get_json_schema
 
     out, names = [], {}
