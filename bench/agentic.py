@@ -75,9 +75,9 @@ def sft_episode(tok, template, tools, rng) -> tuple[list[int], list[int]]:
 
 def warm_up(model_dir: Path, wl: dict) -> float:
     import torch
+    from agentic_task import add
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentic_task import add
     from tandem.rollout.episodes import ToolTurnTemplate
     from tandem.rollout.tools import tool_schemas
 

@@ -216,7 +216,7 @@ class Learner:
         _check_token_ids(groups, self.model.get_input_embeddings().num_embeddings)
         s = Samples.from_groups(groups)
         lengths = torch.tensor([len(c) for c in s.completions])
-        rewards, weights = with_overlong_column(torch.from_numpy(s.rewards), lengths, g.reward_weights, g,
+        rewards, weights = with_overlong_column(torch.from_numpy(s.rewards), lengths, cfg.column_weights(), g,
                                                 cfg.generation.max_completion_length)
         adv = compute_advantages(rewards, plan.num_generations, weights, g.scale_rewards)
         mk = dict(pad_id=self.pad_id, mask_truncated=g.mask_truncated_completions)

@@ -48,7 +48,7 @@ class Request:
     """A prompt between its arrival and its completions: the calling thread waits on `done`."""
 
     __slots__ = ("ids", "sampling", "min_version", "pin", "version", "result", "error", "done", "submitted",
-                 "_callbacks")
+                 "started", "hold", "_callbacks")
 
     def __init__(self, ids: np.ndarray, sampling: Sampling, min_version: int = 0, pin: int | None = None):
         """min_version: sampled with this version or a newer one; pin: with exactly this one (an episode's later
@@ -57,6 +57,8 @@ class Request:
         self.version, self.result, self.error = 0, None, None  # version: the one it was sampled with
         self.done = threading.Event()
         self.submitted = 0.0
+        self.started = False  # its version is chosen (set by the loop's thread)
+        self.hold = 0  # the holds it took on its version (given back by the loop if it fails)
         self._callbacks: list = []
 
     def fail(self, error: BaseException) -> None:
@@ -192,6 +194,7 @@ class EngineLoop:
         """The version a request starts on: its pin, else the newest; a hold keeps it loaded past the request."""
         v = self.version if cmd.request.pin is None else cmd.request.pin
         self._holds[v] += cmd.hold
+        cmd.request.hold, cmd.request.version, cmd.request.started = cmd.hold, v, True
         return v
 
     def _add(self, cmd: Sample) -> None:
@@ -200,12 +203,17 @@ class EngineLoop:
         try:
             self.engine.add(self._next_key, req.ids, req.sampling, adapter=self._adapter(req.version))
         except Exception as e:  # noqa: BLE001 - refused by the engine (bad sampling, too long): its caller
-            self._holds[req.version] -= cmd.hold  # hears it; the loop and every other request go on
+            self._give_back(req)  # hears it; the loop and every other request go on
             req.fail(e)
             return
         self._in_use[req.version] += 1
         self._running[self._next_key] = req
         self._next_key += 1
+
+    def _give_back(self, req: Request) -> None:
+        """A failed request's holds: its episodes will not run (their callers release nothing)."""
+        self._holds[req.version] -= req.hold
+        req.hold = 0
 
     def _step(self, batch: list[Sample]) -> None:
         if not (batch or self._running):
@@ -219,6 +227,7 @@ class EngineLoop:
                     self._finish(self._running.pop(key), comps)
         except BaseException as e:  # noqa: BLE001 - the engine broke: every waiting call hears it
             for req in list(self._running.values()) + [c.request for c in batch]:
+                self._give_back(req)
                 req.fail(e)
             self._running.clear()
             self._in_use.clear()

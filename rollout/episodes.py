@@ -77,6 +77,11 @@ class Episode:
         self.tool_failures += failures
         self.tool_s += sum(r.seconds for r in results)
 
+    def after(self, lead: list[int]) -> None:
+        """Context before the episode's first turn (its own prompt's ids past the group's): not the model's."""
+        self.ids, self.mask = list(lead) + self.ids, [False] * len(lead) + self.mask
+        self.logprobs = [0.0] * len(lead) + self.logprobs
+
     def completion(self) -> Completion:
         return Completion(np.asarray(self.ids, dtype=np.int32), np.asarray(self.logprobs, dtype=np.float32), self.eos)
 
@@ -149,19 +154,49 @@ class EpisodeRunner:
         self.tok, self.template, self.tools, self.limits, self.submit = tokenizer, template, tools, limits, submit
         self.parser = TOOL_CALL_PARSERS[parser]()
 
+    async def group(self, prompts: list[np.ndarray], sampling: Sampling, min_version: int = 0,
+                    tools: list[dict] | None = None) -> tuple[list[Episode], int, float]:
+        """The n = sampling.n episodes of one prompt, all on one version -> (episodes, version, when sampling began).
+        prompts: one (every episode begins from it: one request of n) or n (an environment's reset text made them
+        differ: n requests of one, the later pinned to the version the first started on); tools: each episode's own
+        (an environment's methods), else the runner's."""
+        n = sampling.n
+        reqs = [Request(prompts[0], sampling if len(prompts) == 1 else dataclasses.replace(sampling, n=1), min_version)]
+        self.submit(Sample(reqs[0], hold=n))  # the first turn holds the version once per episode
+        if len(prompts) > 1:
+            await started(reqs[0])
+            reqs += [Request(p, reqs[0].sampling, pin=reqs[0].version) for p in prompts[1:]]
+            for r in reqs[1:]:
+                self.submit(Sample(r))
+        await asyncio.gather(*(finished(r) for r in reqs))
+        error = next((r.error for r in reqs if r.error is not None), None)
+        if error is not None:
+            for _ in range(reqs[0].hold):  # the episodes that will not run give the version back
+                self.submit(Release(reqs[0].version))
+            raise error
+        v = reqs[0].version
+        first = reqs[0].result if len(reqs) == 1 else [r.result[0] for r in reqs]
+        eps = await asyncio.gather(*(self._released(c, prompts[i % len(prompts)], v, sampling,
+                                                    tools[i] if tools else self.tools) for i, c in enumerate(first)))
+        return list(eps), v, reqs[0].submitted
+
     async def run(self, first: list[Completion], prompt_ids: np.ndarray, version: int, sampling: Sampling
                   ) -> list[Episode]:
-        """Each episode releases the group's version when it ends (the first turn held it once per episode)."""
-        return list(await asyncio.gather(*(self._released(c, prompt_ids, version, sampling) for c in first)))
+        """Episodes from first turns sampled already (each releases the version when it ends: the first turn held
+        it once per episode)."""
+        return list(await asyncio.gather(*(self._released(c, prompt_ids, version, sampling, self.tools)
+                                           for c in first)))
 
-    async def _released(self, first: Completion, prompt_ids: np.ndarray, version: int, sampling: Sampling) -> Episode:
+    async def _released(self, first: Completion, prompt_ids: np.ndarray, version: int, sampling: Sampling,
+                        tools: dict) -> Episode:
         try:
-            return await self.episode(first, prompt_ids, version, sampling)
+            return await self.episode(first, prompt_ids, version, sampling, tools)
         finally:
             self.submit(Release(version))
 
-    async def episode(self, turn: Completion, prompt_ids: np.ndarray, version: int, sampling: Sampling) -> Episode:
-        ep, lim, rounds = Episode(), self.limits, 0
+    async def episode(self, turn: Completion, prompt_ids: np.ndarray, version: int, sampling: Sampling,
+                      tools: dict | None = None) -> Episode:
+        ep, lim, rounds, tools = Episode(), self.limits, 0, self.tools if tools is None else tools
         prompt = [int(t) for t in prompt_ids]
         while True:
             text = self.tok.decode([int(t) for t in turn.tokens], skip_special_tokens=True)
@@ -176,7 +211,7 @@ class EpisodeRunner:
             if lim.max_iterations is not None and rounds >= lim.max_iterations:
                 ep.ended = "iterations"
                 return ep
-            results = await call_tools(parsed.calls, self.tools, lim.tool_timeout_s)
+            results = await call_tools(parsed.calls, tools, lim.tool_timeout_s)
             messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
             messages += [{"role": "tool", "name": "invalid_tool_call", "content": json.dumps({"error": e})}
                          for e in parsed.errors]
@@ -227,6 +262,12 @@ def assistant_message(text: str, calls) -> dict:
     return m
 
 
+async def started(req: Request) -> None:
+    """Until the engine loop has chosen the request's version (or it failed): within one engine turn."""
+    while not (req.started or req.done.is_set()):
+        await asyncio.sleep(0.001)
+
+
 async def finished(req: Request) -> None:
     """Waits for a request without a thread: the engine loop's thread wakes this event loop."""
     loop = asyncio.get_running_loop()
@@ -248,13 +289,14 @@ def episode_stats(episodes: list[Episode]) -> dict:
 def job_tool_schemas(cfg, tokenizer) -> list[dict] | None:
     """The JSON schemas of a job's tools for the prompts' chat template, once the model's template is known to give
     exact tool-turn ids (refused otherwise, naming the model); None for a job without tools."""
-    if not cfg.tools:
+    if not (cfg.tools or cfg.environment):
         return None
     from tandem.core.loader import load_function
     from tandem.rollout.tools import tool_schemas
 
     ToolTurnTemplate(tokenizer, cfg.model.path).check()
-    return tool_schemas([load_function(spec) for spec in cfg.tools])
+    env = Environments.load(cfg.environment).schemas() if cfg.environment else []
+    return tool_schemas([load_function(spec) for spec in cfg.tools or []]) + env
 
 
 def episode_metrics(stats: list[dict]) -> dict:
@@ -274,3 +316,60 @@ def episode_metrics(stats: list[dict]) -> dict:
             "tools/time_s": float(sum(s["tool_s"] for s in stats)),
             "episodes/ended_by_iterations": float((cat["ended"] == ENDINGS.index("iterations")).mean()),
             "episodes/ended_by_budget": float((cat["ended"] == ENDINGS.index("budget")).mean())}
+
+
+class EnvironmentResetError(RuntimeError):
+    """An environment's reset raised: that prompt fails as a reward function's failure does (retried once)."""
+
+
+class Environments:
+    """The job's `environment: module:Class` (TRL's environment_factory): one instance per episode, made with no
+    arguments; `reset(**row)` -> None or text that joins the last user message; its public methods (not reset,
+    not get_reward) are the episode's tools, bound to its instance; `get_reward()`, where defined, is one more
+    reward column, of weight 1 (TRL adds it the same way)."""
+
+    def __init__(self, cls, spec: str, tool_names: list[str]):
+        self.cls, self.spec, self.tool_names = cls, spec, tool_names
+        self.has_reward = callable(getattr(cls, "get_reward", None))
+
+    @classmethod
+    def load(cls, spec: str) -> Environments:
+        from tandem.core.checks import load_environment
+
+        env_cls, names = load_environment(spec)
+        return cls(env_cls, spec, names)
+
+    def schemas(self) -> list[dict]:
+        from tandem.rollout.tools import tool_schemas
+
+        probe = self.cls()
+        return tool_schemas([getattr(probe, n) for n in self.tool_names])
+
+    def make(self, n: int, row: dict, index: int) -> tuple[list, list[str | None]]:
+        """n instances, each reset with the dataset row -> (instances, what each reset returned)."""
+        made, observations = [], []
+        for _ in range(n):
+            env = self.cls()
+            try:
+                obs = env.reset(**row)
+            except Exception as e:  # noqa: BLE001 - that prompt's failure, named
+                raise EnvironmentResetError(f"environment {self.spec}: reset() of dataset row {index} raised "
+                                        f"{type(e).__name__}: {e}") from e
+            made.append(env)
+            observations.append(obs if isinstance(obs, str) else None)
+        return made, observations
+
+    def tools(self, env) -> dict:
+        return {n: getattr(env, n) for n in self.tool_names}
+
+    def rewards(self, envs) -> np.ndarray:
+        """float32 [n]: get_reward() of each instance (NaN without one: the column counts for nothing)."""
+        if not self.has_reward:
+            return np.full(len(envs), np.nan, dtype=np.float32)
+        return np.asarray([float(e.get_reward()) for e in envs], dtype=np.float32)
+
+    @staticmethod
+    def prompt_with(prompt: list[dict], observation: str) -> list[dict]:
+        """The prompt with reset's text after the last message's content (a copy: the row stays as it was)."""
+        return prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
+

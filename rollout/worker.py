@@ -30,10 +30,17 @@ from tandem.core.protocol import (
     pack_completions,
 )
 from tandem.core.shaping import is_informative, overlong_penalty
-from tandem.rollout.engine_loop import EngineLoop, LoadVersion, Release, Request, Sample
+from tandem.rollout.engine_loop import EngineLoop, LoadVersion, Request, Sample
 from tandem.rollout.engines.base import Completion, Sampling
-from tandem.rollout.episodes import Episode, EventLoopThread, episode_stats
-from tandem.rollout.prompts import completion_views
+from tandem.rollout.episodes import (
+    EnvironmentResetError,
+    Environments,
+    Episode,
+    EventLoopThread,
+    episode_stats,
+    job_tool_schemas,
+)
+from tandem.rollout.prompts import PromptError, completion_views, tokenize_prompt
 from tandem.rollout.rewards import IsolatedRewards, RewardError, RewardFunctions
 
 
@@ -63,7 +70,8 @@ class RolloutWorker:
         self.cfg, self.worker_id = cfg, worker_id
         self.sampling = Sampling.from_config(cfg)
         self.loop = EngineLoop(lora=cfg.model.lora is not None)
-        self.episodes = None  # the episode runner of a job with tools (setup)
+        self.episodes = None  # the episode runner of a job with tools or an environment (setup)
+        self.environments = None
         self._ready = threading.Event()
         self._setup_error: BaseException | None = None
         self._lock = threading.Lock()  # stats
@@ -88,6 +96,8 @@ class RolloutWorker:
             self.episodes = episode_runner(self.cfg, self.tok, self.loop.submit)
             if self.episodes is not None:
                 self.episodes_loop = EventLoopThread()
+                self.environments = Environments.load(self.cfg.environment) if self.cfg.environment else None
+                self.schemas = job_tool_schemas(self.cfg, self.tok)
         except BaseException as e:
             self._setup_error = e
             self._ready.set()
@@ -151,24 +161,30 @@ class RolloutWorker:
             raise cmd.error
         return self.version
 
-    def _sample(self, items: list[PromptItem], sampling: Sampling) -> list[Sampled]:
-        """Each item's completions: sampled in one request of n completions; with tools, the n episodes that
-        begin with them (their first turn holds its version once per episode, each episode's end releases it)."""
-        hold = sampling.n if self.episodes is not None else 0
+    def _sample(self, items: list[PromptItem], sampling: Sampling) -> list[Sampled | RolloutFailure]:
+        """Each item's completions, sampled in one request of n completions; with tools or an environment, the n
+        episodes of each item, all of them at once on the worker's event loop (rollout/episodes.py)."""
+        if self.episodes is not None:
+            return self.episodes_loop.run(run_groups(self, items, sampling))
         reqs = [Request(it.prompt_ids, sampling, it.min_version) for it in items]
         for r in reqs:
-            self.loop.submit(Sample(r, hold=hold))
+            self.loop.submit(Sample(r))
         for r in reqs:
             r.done.wait()
-        error = next((r.error for r in reqs if r.error is not None), None)
-        if error is not None:
-            for r in reqs:  # the episodes that will not run give their version back
-                for _ in range(hold if r.error is None else 0):
-                    self.loop.submit(Release(r.version))
-            raise error
-        if not hold:
-            return [Sampled(r.result, r.version, r.submitted) for r in reqs]
-        return self.episodes_loop.run(run_episodes(self.episodes, items, reqs, sampling))
+            if r.error is not None:
+                raise r.error
+        return [Sampled(r.result, r.version, r.submitted) for r in reqs]
+
+    def episode_prompts(self, it: PromptItem, observations: list[str | None]) -> list[np.ndarray]:
+        """The item's prompt ids, or each episode's: the prompt with its environment's reset text after the last
+        message (tokenised here with the tools' schemas, as the controller tokenises prompts)."""
+        if not any(observations):
+            return [it.prompt_ids]
+        g = self.cfg.generation
+        out = [tokenize_prompt(self.tok, self.environments.prompt_with(it.prompt, o or ""), tools=self.schemas,
+                               max_prompt_length=g.max_prompt_length, truncate=self.cfg.data.truncate_long_prompts,
+                               row=it.index) for o in observations]
+        return out[:1] if all(np.array_equal(p, out[0]) for p in out) else out
 
     def generate(self, items: list[PromptItem], sampling: Sampling | None = None) -> list[RolloutGroup | RolloutFailure]:
         """The groups of `items`, in order, once all are done. `sampling` overrides the job's sampling
@@ -191,22 +207,31 @@ class RolloutWorker:
         gr, gen = self.cfg.grpo, self.cfg.generation
         pen = None if gr.overlong_buffer_len is None else overlong_penalty(
             g.lengths, gen.max_completion_length, gr.overlong_buffer_len, gr.overlong_penalty_factor)
-        return is_informative(g.rewards, gr.reward_weights, pen)
+        return is_informative(g.rewards, self.cfg.column_weights(), pen)
 
-    def _group(self, it: PromptItem, req: Sampled, t0: float) -> RolloutGroup | RolloutFailure:
+    def _group(self, it: PromptItem, req: Sampled | RolloutFailure, t0: float) -> RolloutGroup | RolloutFailure:
+        if isinstance(req, RolloutFailure):
+            with self._lock:
+                self._stats["failures"] += 1
+            return req
         comps, eps = req.result, req.episodes
         t1 = time.time()
         ids = [c.tokens for c in comps]
         G = len(comps)
+        columns = {k: [v] * G for k, v in it.columns.items()}
+        if req.envs is not None and isinstance(self.rewards, RewardFunctions):
+            columns["environments"] = req.envs  # TRL passes them; objects do not cross to isolated reward processes
         try:
             rewards = self.rewards.score(
                 prompts=[it.prompt] * G,
                 completions=(completion_views(self.tok, it.prompt, ids, self.tok.eos_token_id) if eps is None
                              else [e.messages for e in eps]),
                 completion_ids=[c.tolist() for c in ids],
-                columns={k: [v] * G for k, v in it.columns.items()},
+                columns=columns,
                 rows=[it.index] * G,
             )
+            if req.envs is not None:
+                rewards = np.concatenate([rewards, self.environments.rewards(req.envs)[:, None]], axis=1)
         except RewardError as e:
             with self._lock:
                 self._stats["failures"] += 1
@@ -254,26 +279,53 @@ class Sampled:
     version: int
     submitted: float
     episodes: list[Episode] | None = None
+    envs: list | None = None  # each episode's environment instance
 
 
-async def run_episodes(runner, items: list[PromptItem], reqs: list[Request], sampling: Sampling) -> list[Sampled]:
-    """The episodes of every item's group at once. A function, not a method: an actor class with a coroutine method
-    becomes an asyncio actor in Ray, whose calls share one thread (publishing would wait behind a rollout)."""
-    groups = await asyncio.gather(*(runner.run(r.result, it.prompt_ids, r.version, sampling)
-                                    for it, r in zip(items, reqs)))
-    return [Sampled([e.completion() for e in eps], r.version, r.submitted, eps) for eps, r in zip(groups, reqs)]
+async def run_groups(worker, items: list[PromptItem], sampling: Sampling) -> list[Sampled | RolloutFailure]:
+    """Every item's episodes at once. Functions, not methods: an actor class with a coroutine method becomes an
+    asyncio actor in Ray, whose calls share one thread (publishing would wait behind a rollout)."""
+    return list(await asyncio.gather(*(item_episodes(worker, it, sampling) for it in items)))
+
+
+async def item_episodes(w, it: PromptItem, sampling: Sampling) -> Sampled | RolloutFailure:
+    """One item's episodes: with an environment, one instance each (reset with the dataset row; a reset that raises
+    fails the prompt as a reward function does) and its methods among the episode's tools; episodes that begin
+    from their own prompts keep the group's prompt (their common start) and carry the rest as context."""
+    envs, tools, prompts = None, None, [it.prompt_ids]
+    if w.environments is not None:
+        row = {w.cfg.data.prompt_column: it.prompt, **it.columns}
+        try:
+            envs, observations = await asyncio.to_thread(w.environments.make, sampling.n, row, it.index)
+            prompts = w.episode_prompts(it, observations)
+        except (EnvironmentResetError, PromptError) as e:
+            return RolloutFailure(it.group_id, it.index, str(e), w.worker_id, retryable=False)
+        tools = [dict(w.episodes.tools, **w.environments.tools(e)) for e in envs]
+    eps, version, submitted = await w.episodes.group(prompts, sampling, it.min_version, tools)
+    if len(prompts) > 1:
+        start = common_prefix(prompts)
+        for e, p in zip(eps, prompts):
+            e.after(p[start:].tolist())
+        it.prompt_ids = prompts[0][:start]
+    return Sampled([e.completion() for e in eps], version, submitted, eps, envs)
+
+
+def common_prefix(arrays: list[np.ndarray]) -> int:
+    n = min(len(a) for a in arrays)
+    same = np.all([a[:n] == arrays[0][:n] for a in arrays], axis=0)
+    return int(n if same.all() else np.argmin(same))
 
 
 def episode_runner(cfg, tokenizer, submit):
     """The job's episode runner (None for a single-turn job): its tools imported, the chat template checked."""
-    if not cfg.tools:
+    if not (cfg.tools or cfg.environment):
         return None
     from tandem.core.loader import load_function
     from tandem.rollout.episodes import EpisodeLimits, EpisodeRunner, ToolTurnTemplate
 
     template = ToolTurnTemplate(tokenizer, cfg.model.path)
     template.check()
-    tools = {fn.__name__: fn for fn in (load_function(spec) for spec in cfg.tools)}
+    tools = {fn.__name__: fn for fn in (load_function(spec) for spec in cfg.tools or [])}
     limits = EpisodeLimits(cfg.generation.max_completion_length, cfg.generation.max_tool_calling_iterations,
                            cfg.tool_timeout_s)
     return EpisodeRunner(tokenizer, template, tools, limits, submit)

@@ -73,11 +73,11 @@ class Evaluator:
                 failed.append(f"worker {workers.index(w)}: {type(e).__name__}")
         scored = [(it, g) for it, g in groups if isinstance(g, RolloutGroup)]
         errors = [g.message for _, g in groups if not isinstance(g, RolloutGroup)]
-        F = len(self.cfg.rewards)
+        F = len(self.cfg.rewards) + (self.cfg.environment is not None)
         rewards = np.concatenate([g.rewards for _, g in scored]) if scored else np.zeros((0, F))
         lengths = np.concatenate([g.lengths for _, g in scored]) if scored else np.zeros(0)
         eos = np.concatenate([g.eos for _, g in scored]) if scored else np.zeros(0, dtype=bool)
-        out = eval_stats(rewards, lengths, eos, self.cfg.grpo.reward_weights)
+        out = eval_stats(rewards, lengths, eos, self.cfg.column_weights())
         out.update({"eval/prompts": len(scored), "eval/prompts_failed": len(items) - len(scored),
                     "eval/version": version, "eval_s": time.time() - t0})
         self._write(step, scored, version)

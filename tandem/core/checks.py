@@ -110,6 +110,39 @@ def tool_errors(cfg: JobConfig) -> list[str]:
     return out
 
 
+def load_environment(spec: str) -> tuple[type, list[str]]:
+    """`environment: module:Class` -> (the class, its tool methods' names), checked: a reset method, and a JSON schema
+    (type hints and a docstring) for each public method but reset and get_reward (TRL's environment_factory)."""
+    import inspect
+
+    from transformers.utils import get_json_schema
+
+    env_cls = load_function(spec)
+    if not callable(getattr(env_cls, "reset", None)):
+        raise ValueError(f"environment = {spec}: needs a reset(**row) method (TRL's environment_factory shape)")
+    names = sorted(n for n, _ in inspect.getmembers(env_cls, inspect.isfunction)
+                   if n not in ("reset", "get_reward") and not n.startswith("_"))
+    for name in names:
+        try:
+            get_json_schema(getattr(env_cls, name))
+        except Exception as e:  # noqa: BLE001 - the message is the point
+            raise ValueError(f"environment = {spec}: tool method {name!r}: {e}") from None
+    return env_cls, names
+
+
+def environment_errors(cfg: JobConfig) -> list[str]:
+    """The environment class as load_environment checks it, and no tool method named as a function of tools."""
+    if cfg.environment is None:
+        return []
+    try:
+        _, names = load_environment(cfg.environment)
+    except Exception as e:  # noqa: BLE001 - the message is the point
+        return [str(e) if str(e).startswith("environment = ") else f"environment = {cfg.environment!r}: {e}"]
+    tools = {load_function(t).__name__ for t in cfg.tools or []}
+    return [f"environment = {cfg.environment!r}: its method {n!r} has the name of a function in tools; the model "
+            "calls tools by name, so each needs its own" for n in names if n in tools]
+
+
 def device_error(cfg: JobConfig) -> str | None:
     """float16 trains only with CUDA (DeepSpeed's loss scaling); asked where the learner runs."""
     if cfg.model.dtype != "float16":
@@ -224,7 +257,7 @@ def run_dir_error(cfg: JobConfig) -> str | None:
 def check_inputs(cfg: JobConfig) -> None:
     """Model, data and reward functions as this machine sees them, and a run directory of its own."""
     raise_if([model_error(cfg), length_error(cfg), data_error(cfg), data_error(cfg, "eval.path"), *reward_errors(cfg),
-              *tool_errors(cfg), *tracker_errors(cfg), run_dir_error(cfg)])
+              *tool_errors(cfg), *environment_errors(cfg), *tracker_errors(cfg), run_dir_error(cfg)])
 
 
 def check_learner_device(cfg: JobConfig) -> None:

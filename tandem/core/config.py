@@ -315,6 +315,10 @@ class JobConfig(_Section):
     tools: list[str] | None = Field(
         None, min_length=1, description="tool functions (module:function or file.py:function, typed and documented "
         "as TRL's tools=): episodes of several turns, the model calling them in its chat format")
+    environment: str | None = Field(
+        None, description="environment class (module:Class or file.py:Class, TRL's environment_factory shape): one "
+        "instance per episode, reset(**row) -> text that joins the last user message or null, its public methods "
+        "the episode's tools, an optional get_reward() one more reward column of weight 1")
     tool_timeout_s: float | None = Field(
         60.0, gt=0, description="time limit of one tool call; past it the model reads an error; null = no limit")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="sampling (section)")
@@ -337,6 +341,20 @@ class JobConfig(_Section):
                 raise ValueError(f"{info.field_name}[{i}] = {spec!r}: expected 'module:function' or "
                                  "'path/to/file.py:function'")
         return v
+
+    @field_validator("environment")
+    @classmethod
+    def _environment_spec(cls, v: str | None) -> str | None:
+        if v is not None and (":" not in v or not all(v.rsplit(":", 1))):
+            raise ValueError(f"environment = {v!r}: expected 'module:Class' or 'path/to/file.py:Class'")
+        return v
+
+    def column_weights(self) -> list[float] | None:
+        """One weight per reward column: the functions' (grpo.reward_weights), then 1.0 for the environment's
+        get_reward column (TRL weighs it so); None: every column 1."""
+        if self.environment is None:
+            return self.grpo.reward_weights
+        return list(self.grpo.reward_weights or [1.0] * len(self.rewards)) + [1.0]
 
     @model_validator(mode="after")
     def _cross_checks(self) -> JobConfig:
@@ -451,6 +469,7 @@ def with_absolute_paths(cfg: JobConfig, base: str | os.PathLike) -> JobConfig:
         "eval": cfg.eval.model_copy(update={"path": absolute(cfg.eval.path)}),
         "rewards": [function(r) for r in cfg.rewards],
         "tools": None if cfg.tools is None else [function(t) for t in cfg.tools],
+        "environment": None if cfg.environment is None else function(cfg.environment),
         "logging": cfg.logging.model_copy(update={"output_dir": absolute(cfg.logging.output_dir)}),
         "checkpoint": cfg.checkpoint.model_copy(update={"dir": absolute(cfg.checkpoint.dir)}),
     })

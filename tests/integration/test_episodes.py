@@ -66,7 +66,7 @@ def test_model_tokens_logprobs_match_transformers_across_turns_under_the_samplin
             p = [{"role": "user", "content": f"what is {i + 20} + {i + 3} ?"}]
             ids = tokenize_prompt(tok, p, max_prompt_length=48, truncate=False, row=i, tools=schemas)
             its.append(PromptItem(group_id=i, index=i, prompt_ids=ids, prompt=p, columns={"answer": 2 * i + 23}))
-        groups = ray_session.get(w.generate.remote(its, Sampling(n=8, temperature=0.8, max_tokens=64)))
+        groups = ray_session.get(w.generate.remote(its, Sampling(n=8, temperature=0.8, max_tokens=160)))
         turns = 0
         for g, it in zip(groups, its):
             assert isinstance(g, RolloutGroup) and g.version == 1 and g.episodes is not None
@@ -150,3 +150,75 @@ def test_a_rollout_call_that_raises_is_that_prompts_failure_not_the_workers(ray_
     assert "failure" not in metas[0] and "failure" not in metas[2] and "row 3" in metas[3]["failure"]
     assert counters["worker_failures"] == 0 and pool.slots[0].actor is actor
     pool.shutdown()
+
+
+ENV = '''
+import random
+
+
+class Counter:
+    """Counts the model's additions; each instance tells its episode a number of its own."""
+
+    def reset(self, prompt, answer, **kw):
+        self.calls, self.tag = 0, random.randint(10, 99)
+        return f" (ticket {self.tag})"
+
+    def add(self, a: int, b: int) -> int:
+        """Adds two whole numbers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        self.calls += 1
+        return a + b
+
+    def get_reward(self) -> float:
+        return float(self.tag * 100 + self.calls)
+'''
+
+
+def test_an_environment_per_episode_on_the_real_engine(ray_session, tool_model, tmp_path):
+    """environment: each episode its own instance (reset's text joins its prompt: episodes begin from prompts of
+    their own, kept as context past the group's common prompt), its methods the tools, get_reward a reward column
+    of weight 1; the sampler's log-probs still match transformers on every model token."""
+    from transformers import AutoTokenizer
+
+    env = tmp_path / "counter.py"
+    env.write_text(ENV)
+    job = make_job(tmp_path, tool_model, [f"{TASK}:correct_answer"], environment=f"{env}:Counter",
+                   generation={"max_completion_length": 160, "max_prompt_length": 48, "max_tool_calling_iterations": 2},
+                   reward_timeout_s=None)
+    assert job.column_weights() == [1.0, 1.0]
+    w = start_rollout_worker(job, 0)[0]
+    try:
+        tok = AutoTokenizer.from_pretrained(tool_model)
+        schemas = job_tool_schemas(job, tok)
+        assert [s["function"]["name"] for s in schemas] == ["add"]
+        its = []
+        for i in range(4):
+            p = [{"role": "user", "content": f"what is {20 + i} + {3 + i} ?"}]
+            its.append(PromptItem(group_id=i, index=i, prompt=p, columns={"answer": 23 + 2 * i}, prompt_ids=tokenize_prompt(
+                tok, p, max_prompt_length=48, truncate=False, row=i, tools=schemas)))
+        groups = ray_session.get(w.generate.remote(its, Sampling(n=8, temperature=0.8, max_tokens=160)))
+        hf = HFEngine(tool_model, lora=job.model.lora)
+        calls = 0
+        for g, it in zip(groups, its):
+            assert isinstance(g, RolloutGroup) and g.rewards.shape == (8, 2)
+            ran = np.asarray(g.episodes["tool_calls"]) - np.asarray(g.episodes["tool_failures"])
+            assert (g.rewards[:, 1] % 100 == ran).all()  # get_reward: the calls that reached its own instance
+            calls += g.episodes["tool_calls"].count(0) < 8
+            assert not np.array_equal(g.prompt_ids, it.prompt_ids)  # the episodes' common start, tickets apart
+            for k in range(8):
+                c, mask, lp = g.completion(k), g.completion_loss_mask(k), g.completion_logprobs(k)
+                lead = c[: int(np.argmax(mask))]  # the rest of the episode's own prompt: context, not the model's
+                assert len(lead) and tok.decode(np.concatenate([g.prompt_ids, lead])).endswith(")<|im_end|>\n"
+                                                                                           "<|im_start|>assistant\n")
+                ticket = int(tok.decode(np.concatenate([g.prompt_ids, lead])).split("(ticket ")[1][:2])
+                assert g.rewards[k, 1] // 100 == ticket  # episode k's reward is the instance that wrote its prompt
+                ref = hf.score(g.prompt_ids, c, temperature=0.8)
+                assert np.abs(ref[mask] - lp[mask]).max() < 1e-4
+        assert calls > 0, "the warmed-up model should write tool calls in some episodes"
+    finally:
+        ray_session.get(w.shutdown.remote())
+        ray_session.kill(w)

@@ -121,8 +121,10 @@ TOOLS = {f.__name__: f for f in (add, slow_add, broken, hangs)}
 
 
 def episodes(tok, script, *, budget=200, max_iterations=None, timeout=0.5, n=G, version=0, tools=TOOLS,
-             before=None):
-    """The group of one prompt through a real engine loop and the scripted engine -> (episodes, engine, loop)."""
+             before=None, tools_per_episode=None, prompts=None):
+    """The group of one prompt through a real engine loop and the scripted engine -> (episodes, engine, loop,
+    prompt). tools_per_episode / prompts: through EpisodeRunner.group (the worker's way), which samples the first
+    turns itself; else the first turn here, then EpisodeRunner.run (so that `before` may publish in between)."""
     engine = ScriptedEngine(tok, script)
     loop = EngineLoop(lora=True)
     threading.Thread(target=loop.run, args=(engine,), daemon=True).start()
@@ -135,13 +137,16 @@ def episodes(tok, script, *, budget=200, max_iterations=None, timeout=0.5, n=G, 
                            EpisodeLimits(budget, max_iterations, timeout), loop.submit)
     prompt = np.asarray(tok.apply_chat_template([{"role": "user", "content": "what is 2 + 3 ?"}],
                                                 add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
-    first = Request(prompt, sampling)
-    loop.submit(Sample(first, hold=n))
-    assert first.done.wait(5)
-    if before:
-        before(loop)
     events = EventLoopThread()
     try:
+        if tools_per_episode is not None or prompts is not None:
+            eps, v, _ = events.run(runner.group(prompts or [prompt], sampling, 0, tools_per_episode))
+            return eps, engine, loop, v
+        first = Request(prompt, sampling)
+        loop.submit(Sample(first, hold=n))
+        assert first.done.wait(5)
+        if before:
+            before(loop)
         eps = events.run(runner.run(first.result, prompt, first.version, sampling))
     finally:
         events.close()
