@@ -80,6 +80,7 @@ def warm_up(model_dir: Path, wl: dict) -> float:
 
     from tandem.rollout.episodes import ToolTurnTemplate
     from tandem.rollout.tools import tool_schemas
+    from tandem.services.devtools.warm_up import sft_step
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -90,19 +91,9 @@ def warm_up(model_dir: Path, wl: dict) -> float:
     model.train()
     for _ in range(wl["sft_steps"]):
         seqs, masks = zip(*(sft_episode(tok, template, tools, rng) for _ in range(wl["sft_batch"])))
-        L = max(map(len, seqs))
-        ids = torch.tensor([s + [tok.pad_token_id] * (L - len(s)) for s in seqs], device=dev)
-        m = torch.tensor([x + [0] * (L - len(x)) for x in masks], dtype=torch.float32, device=dev)[:, 1:]
-        att = torch.tensor([[1] * len(s) + [0] * (L - len(s)) for s in seqs], device=dev)
-        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-            logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]
-        lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        loss = -(lp * m).sum() / m.sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = sft_step(model, opt, seqs, masks, tok.pad_token_id, dev, bf16=dev == "cuda")
     model.to(getattr(torch, wl["model"]["dtype"])).save_pretrained(model_dir)
-    return float(loss.detach())
+    return float(loss)
 
 
 def prepare(work: Path, wl: dict) -> dict:
@@ -205,10 +196,7 @@ def main():
     if a.cmd == "table":
         print(table(Path(a.out)))
         return
-    wl = dict(WORKLOADS[a.workload])
-    for item in a.set:
-        key, v = item.split("=", 1)
-        wl[key] = json.loads(v)
+    wl = e2e.workload(WORKLOADS, a.workload, a.set)
     paths = prepare(Path(a.dir), wl)
     if a.cmd == "prepare":
         return

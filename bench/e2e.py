@@ -374,6 +374,15 @@ def table(out_dir: Path, names: list[str], ceiling: str | None, peer: str) -> st
     return "\n".join(lines), c
 
 
+def workload(workloads: dict, name: str, sets: list[str]) -> dict:
+    """The named workload with `--set key=value` (JSON values) applied."""
+    wl = dict(workloads[name])
+    for item in sets:
+        key, v = item.split("=", 1)
+        wl[key] = json.loads(v)
+    return wl
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -396,10 +405,7 @@ def main():
         text, c = table(Path(a.out_dir), a.names.split(","), a.ceiling, a.peer)
         print(text)
         return
-    wl = dict(WORKLOADS[a.workload])
-    for item in a.set:
-        key, v = item.split("=", 1)
-        wl[key] = json.loads(v)
+    wl = workload(WORKLOADS, a.workload, a.set)
     paths = prepare(Path(a.dir), wl)
     if a.candidate in TANDEM:
         k, mode, vllm = TANDEM[a.candidate]

@@ -19,6 +19,7 @@ from examples.calculator.task import add  # noqa: E402
 from tandem.rollout.episodes import ToolTurnTemplate  # noqa: E402
 from tandem.rollout.tools import tool_schemas  # noqa: E402
 from tandem.services.devtools.tiny_model import TOOL_CALL, TOOL_CALL_END, build_tiny_model  # noqa: E402
+from tandem.services.devtools.warm_up import sft_step  # noqa: E402
 
 KINDS = (("tool_and_copy", 0.4), ("guess", 0.4), ("tool_then_guess", 0.2))
 
@@ -65,18 +66,9 @@ def warm_up(model_dir: Path, steps: int, batch: int = 32, seed: int = 0, kinds=K
     model.train()
     for _ in range(steps):
         seqs, masks = zip(*(episode(tok, template, rng, kinds) for _ in range(batch)))
-        L = max(map(len, seqs))
-        ids = torch.tensor([s + [tok.pad_token_id] * (L - len(s)) for s in seqs])
-        m = torch.tensor([x + [0] * (L - len(x)) for x in masks], dtype=torch.float32)
-        att = torch.tensor([[1] * len(s) + [0] * (L - len(s)) for s in seqs])
-        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]
-        lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        loss = -(lp * m[:, 1:]).sum() / m[:, 1:].sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = sft_step(model, opt, seqs, masks, tok.pad_token_id)
     model.save_pretrained(model_dir)
-    return float(loss.detach())
+    return float(loss)
 
 
 def build(model_dir: Path, steps: int = 1200, kinds=KINDS) -> float:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from tandem.services.devtools.tiny_model import build_tiny_model
+from tandem.services.devtools.warm_up import sft_step
 
 PROMPTS = ["write a number", "say some digits", "give me digits", "a number please", "digits", "count"]
 
@@ -43,16 +44,7 @@ def warm_up(model_dir: Path, steps: int = 300, batch: int = 32, seed: int = 0) -
             c = tok(sample_text(rng), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             seqs.append(p + c)
             masks.append([0] * len(p) + [1] * len(c))
-        L = max(map(len, seqs))
-        ids = torch.tensor([s + [tok.pad_token_id] * (L - len(s)) for s in seqs])
-        m = torch.tensor([x + [0] * (L - len(x)) for x in masks], dtype=torch.float32)
-        att = torch.tensor([[1] * len(s) + [0] * (L - len(s)) for s in seqs])
-        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]
-        lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        loss = -(lp * m[:, 1:]).sum() / m[:, 1:].sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = sft_step(model, opt, seqs, masks, tok.pad_token_id)
     model.save_pretrained(model_dir)
     return float(loss)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tandem.rollout.engine_loop import EngineLoop, LoadVersion, Request, Sample
-from tandem.rollout.engines.base import Completion, Engine, Sampling
+from tandem.rollout.engines.base import Completion, Sampling
 from tandem.rollout.episodes import (
     ENDINGS,
     EpisodeLimits,
@@ -25,6 +25,7 @@ from tandem.rollout.episodes import (
     episode_stats,
 )
 from tandem.services.devtools.tiny_model import CHATML, TOOL_CALL, TOOL_CALL_END, build_tokenizer
+from tests.unit import test_engine_loop
 
 G = 4
 
@@ -38,18 +39,17 @@ def call(name, **arguments) -> str:
     return TOOL_CALL + json.dumps({"name": name, "arguments": arguments}) + TOOL_CALL_END
 
 
-class ScriptedEngine(Engine):
-    """Streams; each request finishes in one step with `script(text of its ids, key)` as its reply (cut at the
-    request's max_tokens), log-prob -0.5 per token. Records (time, adapter, max_tokens) of every request."""
-
-    streams = True
+class ScriptedEngine(test_engine_loop.ScriptedEngine):
+    """test_engine_loop's scripted engine (its adapters), but each request finishes in one step with
+    `script(text of its ids, key)` as its reply (cut at the request's max_tokens), log-prob -0.5 per token.
+    Records (time, adapter, max_tokens, n) and the sampling of every request."""
 
     def __init__(self, tok, script):
+        super().__init__()
         self.tok, self.script = tok, script
         self.pending: dict = {}
         self.added: list[tuple] = []
         self.samplings: list[Sampling] = []
-        self.loaded: list[int] = []
 
     def add(self, key, ids, sampling, adapter=None):
         self.added.append((time.monotonic(), adapter, sampling.max_tokens, sampling.n))
@@ -69,16 +69,6 @@ class ScriptedEngine(Engine):
             done.append((key, comps))
             del self.pending[key]
         return done
-
-    def load_adapter(self, version, tensors):
-        self.loaded.append(version)
-
-    @property
-    def adapter_versions(self):
-        return list(self.loaded)
-
-    def drop_adapters(self, versions):
-        self.loaded = [v for v in self.loaded if v not in versions]
 
 
 async def slow_add(a: int, b: int) -> int:
