@@ -11,6 +11,7 @@ request runs to the end on the adapter version it started with, and its group re
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
 import time
@@ -166,7 +167,9 @@ class RolloutWorker:
         episodes of each item, all of them at once on the worker's event loop (rollout/episodes.py)."""
         if self.episodes is not None:
             return self.episodes_loop.run(run_groups(self, items, sampling))
-        reqs = [Request(it.prompt_ids, sampling, it.min_version) for it in items]
+        per_prompt = self.cfg.generation.seed_per_prompt
+        reqs = [Request(it.prompt_ids, seeded(sampling, self.cfg.seed, it.group_id) if per_prompt else sampling,
+                        it.min_version) for it in items]
         for r in reqs:
             self.loop.submit(Sample(r))
         for r in reqs:
@@ -280,6 +283,15 @@ class Sampled:
     submitted: float
     episodes: list[Episode] | None = None
     envs: list | None = None  # each episode's environment instance
+
+
+def seeded(sampling: Sampling, seed: int, group_id: int) -> Sampling:
+    """A prompt's sampling with a seed of its own (the job's seed and its hand-out number): its completions do not
+    depend on which other prompts share the engine's steps (generation.seed_per_prompt; off by default: vLLM draws a
+    seeded request's noise from a generator of its own, and the transformers engine cannot batch them)."""
+    if sampling.seed is not None:
+        return sampling
+    return dataclasses.replace(sampling, seed=(seed * 1_000_003 + group_id) % (2**31 - 1))
 
 
 async def run_groups(worker, items: list[PromptItem], sampling: Sampling) -> list[Sampled | RolloutFailure]:

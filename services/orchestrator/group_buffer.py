@@ -77,6 +77,7 @@ class GroupBuffer:
     def take(self, n: int) -> list:
         """The next batch; this batch's unused filler counts as used (filtered), and its bound starts again."""
         batch, self.groups = self.groups[:n], self.groups[n:]
+        batch.sort(key=lambda g: g[0].get("group_id", 0))  # hand-out order, not arrival: a seeded job trains the same
         for m, _ in self.filler:
             self._record_filtered(m["epoch"], m["index"], m["version"])
         self.filler, self.sampled = [], 0

@@ -92,6 +92,9 @@ class GenerationConfig(_Section):
     max_prompt_length: int = Field(512, ge=1, description="longest prompt in tokens")
     max_completion_length: int = Field(256, ge=1, description="longest completion in tokens; with tools, every token "
                                        "after the prompt, the model's and the tools' together (TRL's count)")
+    seed_per_prompt: bool = Field(
+        False, description="sample each prompt with a seed of its own (the job's seed and its hand-out number): a run "
+        "samples the same however prompts share the engine's steps, and, with max_staleness 0, trains the same")
     max_tool_calling_iterations: int | None = Field(
         None, ge=0, description="with tools: tool rounds per episode; null = until a turn without a tool call or "
         "the max_completion_length budget")

@@ -285,3 +285,22 @@ def test_publishing_and_a_running_request(ray_session, hf, tiny_model, tmp_path,
     assert ray_session.get(early)[0].version == 2
     ray_session.get(w.shutdown.remote())
     ray_session.kill(w)
+
+
+def test_seed_per_prompt_samples_a_prompt_the_same_whatever_shares_the_engine(ray_session, tiny_model, tmp_path):
+    """generation.seed_per_prompt: a prompt's completions depend on the job's seed and its hand-out number only,
+    not on the prompts beside it in the engine's steps (what makes `make demo` print the same curve every run);
+    another hand-out number samples otherwise."""
+    job = make_job(tmp_path, tiny_model, [REWARD], generation={"seed_per_prompt": True})
+    w = start_rollout_worker(job, 0)[0]
+    try:
+        a, b, c = items(tiny_model, n=3, start=11)
+        free = Sampling(n=4, max_tokens=12)  # no seed of its own: the worker derives each prompt's
+        alone = ray_session.get(w.generate.remote([b], free))[0]
+        crowded = ray_session.get(w.generate.remote([a, b, c], free))[1]
+        assert alone.tokens.tolist() == crowded.tokens.tolist()
+        other = ray_session.get(w.generate.remote([dataclasses.replace(b, group_id=999)], free))[0]
+        assert other.tokens.tolist() != alone.tokens.tolist()
+    finally:
+        ray_session.get(w.shutdown.remote())
+        ray_session.kill(w)

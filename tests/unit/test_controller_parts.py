@@ -71,6 +71,13 @@ def test_group_buffer_drops_only_groups_staler_than_k():
     assert GroupBuffer(0).drop_stale(0) == []
 
 
+def test_a_batch_is_taken_in_hand_out_order_whatever_order_its_groups_came_back_in():
+    buf = GroupBuffer(max_staleness=0)
+    for gid in (7, 5, 6, 9):
+        buf.admit({"version": 0, "index": gid, "epoch": 0, "group_id": gid}, f"ref{gid}")
+    assert [r for _, r in buf.take(3)] == ["ref5", "ref6", "ref7"] and [r for _, r in buf.take(1)] == ["ref9"]
+
+
 class _Cfg:
     def __init__(self, root, save_steps=0, keep=2):
         self.checkpoint_dir = str(root)
