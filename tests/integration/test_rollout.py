@@ -19,9 +19,10 @@ REWARD = f"{ROOT}/examples/rewards.py:length_reward"
 
 @pytest.fixture(scope="module")
 def job(tiny_model, tmp_path_factory):
-    """The engine as on a GPU: the adapter as a vLLM LoRA (the CPU's default merges it: the last test)."""
+    """The engine as on a GPU: the adapter as a vLLM LoRA (the CPU's default merges it: the last test); each prompt
+    sampled with a seed of its own (generation.seed_per_prompt: its test shares this worker)."""
     return make_job(tmp_path_factory.mktemp("job"), tiny_model, [REWARD, f"{ROOT}/examples/rewards.py:only_some"],
-                    cluster={"vllm_merge_adapter": False})
+                    cluster={"vllm_merge_adapter": False}, generation={"seed_per_prompt": True})
 
 
 @pytest.fixture(scope="module")
@@ -287,20 +288,14 @@ def test_publishing_and_a_running_request(ray_session, hf, tiny_model, tmp_path,
     ray_session.kill(w)
 
 
-def test_seed_per_prompt_samples_a_prompt_the_same_whatever_shares_the_engine(ray_session, tiny_model, tmp_path):
+def test_seed_per_prompt_samples_a_prompt_the_same_whatever_shares_the_engine(ray_session, worker, tiny_model):
     """generation.seed_per_prompt: a prompt's completions depend on the job's seed and its hand-out number only,
     not on the prompts beside it in the engine's steps (what makes `make demo` print the same curve every run);
     another hand-out number samples otherwise."""
-    job = make_job(tmp_path, tiny_model, [REWARD], generation={"seed_per_prompt": True})
-    w = start_rollout_worker(job, 0)[0]
-    try:
-        a, b, c = items(tiny_model, n=3, start=11)
-        free = Sampling(n=4, max_tokens=12)  # no seed of its own: the worker derives each prompt's
-        alone = ray_session.get(w.generate.remote([b], free))[0]
-        crowded = ray_session.get(w.generate.remote([a, b, c], free))[1]
-        assert alone.tokens.tolist() == crowded.tokens.tolist()
-        other = ray_session.get(w.generate.remote([dataclasses.replace(b, group_id=999)], free))[0]
-        assert other.tokens.tolist() != alone.tokens.tolist()
-    finally:
-        ray_session.get(w.shutdown.remote())
-        ray_session.kill(w)
+    a, b, c = items(tiny_model, n=3, start=11)
+    free = Sampling(n=4, max_tokens=12)  # no seed of its own: the worker derives each prompt's
+    alone = ray_session.get(worker.generate.remote([b], free))[0]
+    crowded = ray_session.get(worker.generate.remote([a, b, c], free))[1]
+    assert alone.tokens.tolist() == crowded.tokens.tolist()
+    other = ray_session.get(worker.generate.remote([dataclasses.replace(b, group_id=999)], free))[0]
+    assert other.tokens.tolist() != alone.tokens.tolist()
