@@ -234,10 +234,9 @@ class EpisodeRunner:
 
 
 class EventLoopThread:
-    """The worker's one event loop for episodes, in a thread of its own (a Ray call thread already runs one, so a
-    call cannot asyncio.run its own): `run(coroutine)` from any thread waits for its result. Sync tools run in the
-    loop's thread pool, `tool_threads` at once (asyncio's default, min(32, cores + 4), would queue a cycle's calls
-    on a small machine)."""
+    """The worker's one event loop for episodes, every group's, in a thread of its own: `run(coroutine)` from any
+    call thread waits for its result. Sync tools run in the loop's thread pool, `tool_threads` at once (asyncio's
+    default, min(32, cores + 4), would queue a cycle's calls on a small machine)."""
 
     def __init__(self, tool_threads: int = 64):
         self.loop = asyncio.new_event_loop()
