@@ -39,10 +39,10 @@ from tandem.rollout.episodes import (
     Episode,
     EventLoopThread,
     episode_stats,
-    job_tool_schemas,
 )
 from tandem.rollout.prompts import PromptError, completion_views, tokenize_prompt
 from tandem.rollout.rewards import IsolatedRewards, RewardError, RewardFunctions
+from tandem.rollout.tools import tool_schemas
 
 
 def build_engine(cfg, seed: int):
@@ -98,7 +98,9 @@ class RolloutWorker:
             if self.episodes is not None:
                 self.episodes_loop = EventLoopThread()
                 self.environments = Environments.load(self.cfg.environment) if self.cfg.environment else None
-                self.schemas = job_tool_schemas(self.cfg, self.tok)
+                # as job_tool_schemas orders them for the controller's prompts, from what the runner loaded and checked
+                self.schemas = tool_schemas(list(self.episodes.tools.values())) + (
+                    self.environments.schemas() if self.environments else [])
         except BaseException as e:
             self._setup_error = e
             self._ready.set()
