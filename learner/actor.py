@@ -144,7 +144,7 @@ class Learner:
         self.ref = load_frozen_reference(cfg).to(self.device) if (cfg.grpo.beta > 0 and cfg.model.lora is None) else None
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(cfg.model.path)
+        tok = AutoTokenizer.from_pretrained(cfg.model.local_dir())
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         return self.rank
 

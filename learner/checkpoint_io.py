@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from tandem.core.adapter import ADAPTER_DIR, write_peft_adapter
+from tandem.core.hub import is_hub_id
 from tandem.learner.safe_load import CheckpointRefused, CheckpointWriteError
 
 
@@ -54,14 +55,16 @@ def save_artifact(learner, directory: Path) -> None:
         return
     cfg = learner.cfg
     if cfg.model.lora is not None:
-        write_peft_adapter(directory / ADAPTER_DIR, sd, cfg.model.lora, str(Path(cfg.model.path).resolve()))
+        m = cfg.model  # a Hub id stays the base's name (as peft writes it), a local path is made absolute
+        base = m.path if is_hub_id(m.path) else str(Path(m.path).resolve())
+        write_peft_adapter(directory / ADAPTER_DIR, sd, m.lora, base, m.revision)
         return
     from transformers import AutoTokenizer
 
     model = learner.model
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.save_pretrained(directory / "model", state_dict=sd, safe_serialization=True)
-    AutoTokenizer.from_pretrained(cfg.model.path).save_pretrained(directory / "model")
+    AutoTokenizer.from_pretrained(cfg.model.local_dir()).save_pretrained(directory / "model")
 
 
 def load_checkpoint(learner, directory: str) -> dict:

@@ -14,7 +14,7 @@ def load_policy(cfg):
     from transformers import AutoModelForCausalLM
 
     m = cfg.model
-    model = AutoModelForCausalLM.from_pretrained(m.path, dtype=getattr(torch, m.dtype))
+    model = AutoModelForCausalLM.from_pretrained(m.local_dir(), dtype=getattr(torch, m.dtype))
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -73,7 +73,7 @@ def load_frozen_reference(cfg):
     with the adapter disabled: see reference_context.)"""
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
+    ref = AutoModelForCausalLM.from_pretrained(cfg.model.local_dir(), dtype=getattr(torch, cfg.model.dtype))
     ref.requires_grad_(False)
     ref.eval()
     return ref

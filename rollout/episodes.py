@@ -293,7 +293,7 @@ def job_tool_schemas(cfg, tokenizer) -> list[dict] | None:
     from tandem.core.loader import load_function
     from tandem.rollout.tools import tool_schemas
 
-    ToolTurnTemplate(tokenizer, cfg.model.path).check()
+    ToolTurnTemplate(tokenizer, cfg.model.local_dir()).check()
     env = Environments.load(cfg.environment).schemas() if cfg.environment else []
     return tool_schemas([load_function(spec) for spec in cfg.tools or []]) + env
 

@@ -50,7 +50,7 @@ def build_engine(cfg, seed: int):
     if m.fast_inference:
         from tandem.rollout.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine(m.path, dtype=m.dtype, lora=m.lora, seed=seed,
+        return VLLMEngine(m.local_dir(), dtype=m.dtype, lora=m.lora, seed=seed,
                           max_model_len=cfg.generation.max_prompt_length + cfg.generation.max_completion_length,
                           max_loras=cfg.cluster.max_staleness + 2, enforce_eager=cfg.cluster.vllm_enforce_eager,
                           gpu_memory_utilization=cfg.cluster.vllm_gpu_memory_utilization,
@@ -58,7 +58,7 @@ def build_engine(cfg, seed: int):
                           kv_cache_bytes=cpu_kv_cache_bytes(cfg))
     from tandem.rollout.engines.hf_engine import HFEngine
 
-    return HFEngine(m.path, dtype=m.dtype, lora=m.lora, seed=seed)
+    return HFEngine(m.local_dir(), dtype=m.dtype, lora=m.lora, seed=seed)
 
 
 @errors_as_text
@@ -93,7 +93,7 @@ class RolloutWorker:
             self.rewards = (RewardFunctions(self.cfg.rewards) if t is None else
                             IsolatedRewards(self.cfg.rewards, t, int(self.cfg.cluster.rollout_resources.num_cpus)))
             self.rewards.start()
-            self.tok = AutoTokenizer.from_pretrained(self.cfg.model.path)
+            self.tok = AutoTokenizer.from_pretrained(self.cfg.model.local_dir())
             self.episodes = episode_runner(self.cfg, self.tok, self.loop.submit)
             if self.episodes is not None:
                 self.episodes_loop = EventLoopThread()
@@ -337,7 +337,7 @@ def episode_runner(cfg, tokenizer, submit):
     from tandem.core.loader import load_function
     from tandem.rollout.episodes import EpisodeLimits, EpisodeRunner, ToolTurnTemplate
 
-    template = ToolTurnTemplate(tokenizer, cfg.model.path)
+    template = ToolTurnTemplate(tokenizer, cfg.model.local_dir())
     template.check()
     tools = {fn.__name__: fn for fn in (load_function(spec) for spec in cfg.tools or [])}
     limits = EpisodeLimits(cfg.generation.max_completion_length, cfg.generation.max_tool_calling_iterations,
@@ -378,7 +378,7 @@ def cpu_kv_cache_bytes(cfg) -> int:
     say its shape. The tiny CPU model's jobs needed 15 MiB of the 256 MiB they were given."""
     from tandem.core.checks import language_model_config
 
-    mc = language_model_config(cfg.model.path) or {}
+    mc = language_model_config(cfg.model.local_dir()) or {}
     try:
         heads = mc["num_attention_heads"]
         per_token = (2 * mc["num_hidden_layers"] * mc.get("num_key_value_heads", heads)

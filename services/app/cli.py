@@ -34,12 +34,20 @@ def cmd_plan(args) -> int:
 
 def cmd_check(args) -> int:
     from tandem.core.checks import check_inputs
-    from tandem.services.orchestrator.data import check_rows, load_rows
+    from tandem.services.orchestrator.data import check_rows, read_dataset, shaped
 
     cfg = JobConfig.from_yaml(args.job, args.set)
     check_inputs(cfg)
-    for path in filter(None, (cfg.data.path, cfg.eval.path)):  # what the controller refuses at the start
-        check_rows(load_rows(path), cfg.data.prompt_column, path)
+    tok = None
+    if cfg.data.system_prompt is not None:  # a string prompt's system turn needs the chat template
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(cfg.model.local_dir())
+    for sec in (cfg.data, cfg.eval):  # what the controller refuses at the start
+        if sec.path is not None:
+            rows = shaped(read_dataset(f"{'eval' if sec is cfg.eval else 'data'}.path", sec.path, sec.name, sec.split),
+                          cfg.data, tok, sec.path)
+            check_rows(rows, cfg.data.prompt_column, sec.path)
     plan = BatchPlan.from_config(cfg)
     print(f"{args.job}: valid; model, data and {len(cfg.rewards)} reward function(s) found on this machine; "
           f"{plan.unique_prompts} prompts × {plan.num_generations} completions per generation cycle")

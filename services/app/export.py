@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tandem.core.adapter import find_adapter
 from tandem.core.config import JobConfigError
+from tandem.core.hub import model_dir
 
 
 def export_merged(source: str, out: str, dtype: str | None = None) -> Path:
@@ -19,7 +20,8 @@ def export_merged(source: str, out: str, dtype: str | None = None) -> Path:
         adapter = find_adapter(source)
     except FileNotFoundError as e:
         raise JobConfigError(f"tandem export: {e}") from None
-    base_path = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    conf = json.loads((adapter / "adapter_config.json").read_text())
+    base_path = model_dir(conf["base_model_name_or_path"], conf.get("revision"))  # a Hub id: this machine's cache
     if not (Path(base_path) / "config.json").is_file():
         raise JobConfigError(f"tandem export: the adapter's base model {base_path!r} (adapter_config.json) is not "
                              "a model directory on this machine")

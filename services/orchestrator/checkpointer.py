@@ -40,16 +40,24 @@ def _files_digest(path: Path, names=None) -> str:
     return h.hexdigest()[:16]
 
 
-def fingerprint(cfg, n_rows: int) -> dict:
+def rows_digest(rows: list) -> str:
+    """Content hash of rows read from the Hub or given from Python (a local file's is its bytes')."""
+    return hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def fingerprint(cfg, n_rows: int, content: str | None = None) -> dict:
     """What determines the data order and the training: the job's training settings, the dataset (path,
-    rows, content), the seed, the model and tokenizer files. Kept in every checkpoint; resume compares."""
+    rows, content: `content` where the rows came from the Hub or from Python), the seed, the model and tokenizer
+    files. Kept in every checkpoint; resume compares."""
     d = cfg.model_dump(mode="json")
     training = {sec: ({k: v for k, v in val.items() if (sec, k) not in RESUMABLE_CHANGES}
                       if isinstance(val, dict) else val)
                 for sec, val in d.items() if (sec, None) not in RESUMABLE_CHANGES and sec not in ("data", "seed")}
-    model = Path(cfg.model.path)
-    return {"job": _digest(training), "data.path": str(Path(cfg.data.path).resolve()), "data rows": n_rows,
-            "data content": _files_digest(Path(cfg.data.path)), "data order": _digest([d["data"], d["seed"]]),
+    model = Path(cfg.model.local_dir())
+    local = content is None
+    return {"job": _digest(training), "data.path": str(Path(cfg.data.path).resolve()) if local else cfg.data.path,
+            "data rows": n_rows, "data content": _files_digest(Path(cfg.data.path)) if local else content,
+            "data order": _digest([d["data"], d["seed"]]),
             "model files": _files_digest(model, {"config.json", "model.safetensors", "tokenizer.json",
                                                  "tokenizer_config.json", "special_tokens_map.json"})}
 

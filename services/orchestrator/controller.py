@@ -34,8 +34,8 @@ from tandem.core.config import JobConfigError
 from tandem.core.plan import BatchPlan
 from tandem.core.protocol import errors_as_text
 from tandem.rollout.episodes import episode_metrics
-from tandem.services.orchestrator.checkpointer import Checkpointer, fingerprint, fingerprint_changes
-from tandem.services.orchestrator.data import check_rows, load_rows
+from tandem.services.orchestrator.checkpointer import Checkpointer, fingerprint, fingerprint_changes, rows_digest
+from tandem.services.orchestrator.data import check_rows, read_dataset, shaped
 from tandem.services.orchestrator.epoch_record import EpochRecord, TrainedRecord
 from tandem.services.orchestrator.evaluator import Evaluator
 from tandem.services.orchestrator.failures import FailureLog
@@ -102,9 +102,9 @@ class Controller:
     tokenises without importing torch); `resume()` optionally; `step()` per generation cycle (saving when the
     checkpointer says so); `save_checkpoint()` at the end; `shutdown()`."""
 
-    def __init__(self, cfg):
-        # the job
-        self.cfg, self.plan = cfg, BatchPlan.from_config(cfg)
+    def __init__(self, cfg, datasets: dict | None = None):
+        # the job; datasets: {"data" | "eval": rows, or a Ray reference to them} given from Python (GRPOTrainer)
+        self.cfg, self.plan, self.datasets = cfg, BatchPlan.from_config(cfg), dict(datasets or {})
         # run state, each part saving its own (state / load); the data-bound ones are made in setup
         self.progress, self.counters = Progress(), Counter()
         self.source: PromptSource | None = None
@@ -136,16 +136,16 @@ class Controller:
         from tandem.core.checks import check_inputs
 
         cfg = self.cfg
-        check_inputs(cfg)  # as this node sees them; each worker imports the rewards again in its setup
+        check_inputs(cfg, given=set(self.datasets))  # as this node sees them; each worker imports the rewards again
         if cfg.logging.overwrite_output_dir and not cfg.checkpoint.resume:
             self._clear_run_dir()
         self.out.mkdir(parents=True, exist_ok=True)
-        rows = self._read_data(own_process)
+        rows, content = self._read_data(own_process)
         self.buffer = GroupBuffer(cfg.cluster.max_staleness, rows, cfg.grpo.dynamic_sampling,
                                   int(cfg.grpo.max_oversampling * self.plan.unique_prompts))
         self.record = TrainedRecord(rows)
         self.failures = FailureLog(self.out / "failed_prompts.jsonl", cfg.rewards, self.plan.unique_prompts, rows)
-        self.checkpoints.fingerprint = fingerprint(cfg, rows)
+        self.checkpoints.fingerprint = fingerprint(cfg, rows, content)
         p, U = self.progress, self.plan.unique_prompts
         p.total_cycles = (-(-cfg.batch.max_steps // self.plan.optimizer_steps_per_cycle) if cfg.batch.max_steps > 0
                           else max(int(cfg.batch.num_train_epochs * rows) // U, 1))
@@ -155,34 +155,49 @@ class Controller:
         self.log.trackers = Trackers(cfg)
         return self.status()
 
-    def _read_data(self, own_process: bool) -> int:
-        """The prompts (and eval prompts) read, checked and tokenised once, here: workers receive token ids.
-        -> the number of rows."""
+    def _read_data(self, own_process: bool) -> tuple[int, str | None]:
+        """The prompts (and eval prompts) read, shaped, checked and tokenised once, here: workers receive token
+        ids. -> (the number of rows, their content hash where they did not come from a local file)."""
         from tandem.core.compat import tokenizer_without_torch
         from tandem.rollout.episodes import job_tool_schemas
         from tandem.rollout.prompts import tokenize_prompt
 
         cfg, pc = self.cfg, self.cfg.data.prompt_column
         if own_process:  # a Ray actor of its own: nothing here runs a model
-            tok = tokenizer_without_torch(cfg.model.path)
+            tok = tokenizer_without_torch(cfg.model.local_dir())
         else:
             from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(cfg.model.path)
+            tok = AutoTokenizer.from_pretrained(cfg.model.local_dir())
 
         schemas = job_tool_schemas(cfg, tok)
 
-        def table(path: str) -> PromptTable:
-            rows = load_rows(path)
-            check_rows(rows, pc, path)
+        def table(rows: list, where: str) -> PromptTable:
+            rows = shaped(rows, cfg.data, tok, where)
+            check_rows(rows, pc, where)
             return PromptTable(rows, [tokenize_prompt(tok, r[pc], max_prompt_length=cfg.generation.max_prompt_length,
                                                       truncate=cfg.data.truncate_long_prompts, row=i, tools=schemas)
                                       for i, r in enumerate(rows)], pc)
-        data = table(cfg.data.path)
+        rows, where = self._rows("data")
+        data = table(rows, where)
         self.source = PromptSource(len(data), cfg.seed, cfg.data.shuffle, table=data)
-        if cfg.eval.path is not None:
-            self.evaluator = Evaluator(cfg, table(cfg.eval.path), tok)
-        return len(data)
+        if cfg.eval.path is not None or "eval" in self.datasets:
+            self.evaluator = Evaluator(cfg, table(*self._rows("eval")), tok)
+        local = "data" not in self.datasets and Path(cfg.data.path).exists()
+        return len(data), None if local else rows_digest(rows)
+
+    def _rows(self, section: str) -> tuple[list, str]:
+        """The rows of `section` ("data", "eval"), as given from Python or read from its path. -> (rows, where)."""
+        given = self.datasets.get(section)
+        if given is not None:
+            import ray
+
+            return (ray.get(given) if isinstance(given, ray.ObjectRef) else given), f"the {section} rows given"
+        sec = getattr(self.cfg, section)
+        if sec.path is None:
+            raise JobConfigError(f"{section}.path: required (a data file, a saved dataset directory or a Hub dataset "
+                                 "id); null only with rows given from Python (tandem.GRPOTrainer)")
+        return read_dataset(f"{section}.path", sec.path, sec.name, sec.split), sec.path
 
     def _start_actors(self) -> None:
         """The learner's setup runs while the rollout workers start (colocate: rank 0's actor is worker 0)."""

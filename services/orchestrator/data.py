@@ -1,4 +1,5 @@
-"""Prompt datasets: jsonl / json / parquet files or a saved Hugging Face dataset directory."""
+"""Prompt datasets: jsonl / json / parquet files, a saved Hugging Face dataset directory, a Hub dataset id, or
+rows given from Python (tandem.GRPOTrainer); then shaped as the job says (data.map, data.system_prompt)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,57 @@ from pathlib import Path
 from typing import Any
 
 from tandem.core.config import JobConfigError
+from tandem.core.hub import is_hub_id, load_hub_dataset
 
 
 class DataError(JobConfigError):
     """A data file (data.path, eval.path) that cannot be trained on: `tandem` prints it in one line."""
+
+
+def read_dataset(field: str, path: str, name: str | None = None, split: str = "train") -> list[dict[str, Any]]:
+    """`field` (data.path, eval.path): a local file or directory (it wins), else a Hub dataset's split."""
+    if not Path(path).exists() and is_hub_id(path):
+        return load_hub_dataset(field, path, name, split)
+    return load_rows(path)
+
+
+def shaped(rows: list[dict], data, tokenizer, where: str) -> list[dict]:
+    """The job's shaping of each row (data: the job's DataConfig): `map` first (its dict updates the row, as
+    Dataset.map), then `system_prompt` into the prompt column."""
+    if data.map is not None:
+        from tandem.core.loader import load_function
+
+        fn = load_function(data.map)
+        rows = [_mapped(fn, r, i, data.map, where) for i, r in enumerate(rows)]
+    if data.system_prompt is not None:
+        rows = [{**r, data.prompt_column: _with_system(r.get(data.prompt_column), data.system_prompt, tokenizer, i,
+                                                       where)} if isinstance(r, dict) else r
+                for i, r in enumerate(rows)]
+    return rows
+
+
+def _mapped(fn, row: Any, i: int, spec: str, where: str) -> dict:
+    try:
+        out = fn(row)
+    except Exception as e:
+        raise DataError(f"data.map = {spec!r} on {where} row {i} raised {type(e).__name__}: {e}") from e
+    if not isinstance(out, dict):
+        raise DataError(f"data.map = {spec!r} on {where} row {i} returned {type(out).__name__}; allowed: a dict of "
+                        "the columns to add or replace (as Dataset.map)")
+    return {**row, **out}
+
+
+def _with_system(prompt: Any, system: str, tokenizer, i: int, where: str) -> Any:
+    if isinstance(prompt, list):  # messages: a system message first, unless the row has its own
+        has_own = prompt and isinstance(prompt[0], dict) and prompt[0].get("role") == "system"
+        return prompt if has_own else [{"role": "system", "content": system}, *prompt]
+    if isinstance(prompt, str):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise DataError(f"data.system_prompt with {where} row {i}'s string prompt: the model's tokenizer has no "
+                            "chat template to put a system turn in; allowed: conversational prompts (lists of "
+                            "messages), a tokenizer with a chat template, or the instruction written into the prompts")
+        return [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+    return prompt  # check_rows names what is wrong with it
 
 
 def load_rows(path: str) -> list[dict[str, Any]]:

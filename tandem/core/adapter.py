@@ -11,23 +11,23 @@ from pathlib import Path
 ADAPTER_DIR = "adapter"  # inside a checkpoint and inside the run directory
 
 
-def peft_config(lora, base_path: str) -> dict:
+def peft_config(lora, base_path: str, revision: str | None = None) -> dict:
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_path),
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_path), "revision": revision,
         "r": lora.r, "lora_alpha": lora.lora_alpha, "lora_dropout": lora.lora_dropout,
         "target_modules": list(lora.target_modules), "bias": "none", "fan_in_fan_out": False,
         "inference_mode": True, "use_rslora": False, "use_dora": False, "modules_to_save": None,
     }
 
 
-def write_peft_adapter(out: Path, tensors: dict, lora, base_path: str) -> Path:
+def write_peft_adapter(out: Path, tensors: dict, lora, base_path: str, revision: str | None = None) -> Path:
     """tensors: peft's state dict (get_peft_model_state_dict names). Safetensors: loading runs no code."""
     from safetensors.torch import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps(peft_config(lora, base_path), indent=1))
+    (out / "adapter_config.json").write_text(json.dumps(peft_config(lora, base_path, revision), indent=1))
     return out
 
 

@@ -9,6 +9,7 @@ import importlib.util
 from pathlib import Path
 
 from tandem.core.config import JobConfig, JobConfigError
+from tandem.core.hub import is_hub_id
 from tandem.core.loader import load_function
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -16,8 +17,12 @@ DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 def model_error(cfg: JobConfig) -> str | None:
     v = cfg.model.path
-    if not (Path(v) / "config.json").is_file():
-        return f"model.path = {v!r}: no config.json there; give a local model directory"
+    try:
+        local = cfg.model.local_dir()  # a Hub id: its snapshot in this node's cache, or why not
+    except JobConfigError as e:
+        return str(e)
+    if not (Path(local) / "config.json").is_file():
+        return f"model.path = {v!r}: no config.json there; give a local model directory or a Hub model id"
     return None
 
 
@@ -36,7 +41,10 @@ def language_model_config(model_path: str) -> dict | None:
 def length_error(cfg: JobConfig) -> str | None:
     """A prompt and its completion must fit the model's positions (else vLLM refuses every request late,
     naming its own max_model_len)."""
-    mc = language_model_config(cfg.model.path)
+    try:
+        mc = language_model_config(cfg.model.local_dir())
+    except JobConfigError:
+        return None  # model_error names it
     if mc is None:
         return None
     limit = mc.get("max_position_embeddings")
@@ -56,10 +64,22 @@ def data_error(cfg: JobConfig, field: str = "data.path") -> str | None:
     if v is None:
         return None
     p = Path(v)
+    if not p.exists() and is_hub_id(v):
+        return None  # a Hub dataset: read (or refused, naming it and the cache) where the data is read
     if not p.exists():
-        return f"{field} = {v!r}: no such file or directory"
+        return f"{field} = {v!r}: no such file or directory, nor a Hub dataset id"
     if p.is_file() and p.suffix not in DATA_SUFFIXES:
         return f"{field} = {v!r}: file type {p.suffix!r} not supported; allowed {' '.join(DATA_SUFFIXES)}"
+    return None
+
+
+def map_error(cfg: JobConfig) -> str | None:
+    if cfg.data.map is None:
+        return None
+    try:
+        load_function(cfg.data.map)
+    except ValueError as e:
+        return f"data.map = {cfg.data.map!r}: {e}"
     return None
 
 
@@ -254,9 +274,11 @@ def run_dir_error(cfg: JobConfig) -> str | None:
     return None
 
 
-def check_inputs(cfg: JobConfig) -> None:
-    """Model, data and reward functions as this machine sees them, and a run directory of its own."""
-    raise_if([model_error(cfg), length_error(cfg), data_error(cfg), data_error(cfg, "eval.path"), *reward_errors(cfg),
+def check_inputs(cfg: JobConfig, given: set[str] = frozenset()) -> None:
+    """Model, data and reward functions as this machine sees them, and a run directory of its own. given: the
+    sections ("data", "eval") whose rows came from Python instead of a path."""
+    data = [data_error(cfg, f"{sec}.path") for sec in ("data", "eval") if sec not in given]
+    raise_if([model_error(cfg), length_error(cfg), *data, *reward_errors(cfg), map_error(cfg),
               *tool_errors(cfg), *environment_errors(cfg), *tracker_errors(cfg), run_dir_error(cfg)])
 
 

@@ -52,8 +52,10 @@ class LoraConfig(_Section):
 
 
 class ModelConfig(_Section):
-    path: str = Field(description="local directory of a transformers causal LM (config.json inside); "
-                      "every node must see it at this path")
+    path: str = Field(description="a transformers causal LM: a local directory (config.json inside) every node sees "
+                      "at this path, or a Hub id (org/name) resolved through each node's Hugging Face cache (HF_HOME, "
+                      "HF_HUB_OFFLINE); a local path wins")
+    revision: str | None = Field(None, description="with a Hub id: the branch, tag or commit; null = main")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="training/inference precision; float16 needs CUDA (loss scaling)"
     )
@@ -63,15 +65,32 @@ class ModelConfig(_Section):
     fast_inference: bool = Field(True, description="True: vLLM samples; False: transformers generate")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
 
+    def local_dir(self) -> str:
+        """The model's directory on this node: `path`, or its Hub snapshot (tandem.core.hub.model_dir)."""
+        from tandem.core.hub import model_dir  # noqa: PLC0415 - hub imports this module
+
+        return model_dir(self.path, self.revision)
+
 
 # ----------------------------------------------------------------------------------------- data
 
 
 class DataConfig(_Section):
-    path: str = Field(description="jsonl/json/parquet file or a saved Hugging Face dataset directory")
+    path: str | None = Field(description="jsonl/json/parquet file, a saved Hugging Face dataset directory, or a Hub "
+                             "dataset id (org/name, read with datasets.load_dataset from each node's cache); a local "
+                             "path wins; null only from Python (tandem.GRPOTrainer's train_dataset)")
+    name: str | None = Field(None, description="with a Hub dataset id: its configuration (load_dataset's name)")
+    split: str = Field("train", description="with a Hub dataset id: the split")
     prompt_column: str = Field(
         "prompt", description="column with the prompt: a string, or a list of chat messages"
     )
+    system_prompt: str | None = Field(
+        None, description="a system message put first in every prompt: before the messages of a conversational "
+        "prompt that has none, or with a string prompt as its user turn (the prompt then goes through the chat "
+        "template, which the tokenizer must have); null = none")
+    map: str | None = Field(
+        None, description="module:function or file.py:function run on every row where the data is read (as "
+        "Dataset.map): row -> dict of columns to add or replace; the other columns stay for the rewards")
     shuffle: bool = Field(True, description="seeded shuffle of the prompt order each epoch")
     truncate_long_prompts: bool = Field(
         False, description="left-truncate prompts over max_prompt_length instead of refusing them"
@@ -260,8 +279,10 @@ class EvalConfig(_Section):
     """Evaluation during training: the eval prompts sampled on the rollout workers with the newest
     adapter, scored by the job's reward functions; never trained on."""
 
-    path: str | None = Field(None, description="eval dataset (the formats of data.path, the same prompt "
-                             "column); null = no evaluation")
+    path: str | None = Field(None, description="eval dataset (the forms of data.path, Hub ids included; the "
+                             "same prompt column, system_prompt and map); null = no evaluation")
+    name: str | None = Field(None, description="with a Hub dataset id: its configuration")
+    split: str = Field("test", description="with a Hub dataset id: the split")
     eval_steps: int = Field(0, ge=0, description="evaluate every N optimizer steps (and at the end); "
                             "0 = at the end only")
     num_generations: int = Field(1, ge=1, description="completions per eval prompt")
@@ -345,12 +366,12 @@ class JobConfig(_Section):
                                  "'path/to/file.py:function'")
         return v
 
-    @field_validator("environment")
-    @classmethod
-    def _environment_spec(cls, v: str | None) -> str | None:
-        if v is not None and (":" not in v or not all(v.rsplit(":", 1))):
-            raise ValueError(f"environment = {v!r}: expected 'module:Class' or 'path/to/file.py:Class'")
-        return v
+    @model_validator(mode="after")
+    def _object_specs(self) -> JobConfig:
+        for field, v, what in (("environment", self.environment, "Class"), ("data.map", self.data and self.data.map, "function")):
+            if v is not None and (":" not in v or not all(v.rsplit(":", 1))):
+                raise ValueError(f"{field} = {v!r}: expected 'module:{what}' or 'path/to/file.py:{what}'")
+        return self
 
     def column_weights(self) -> list[float] | None:
         """One weight per reward column: the functions' (grpo.reward_weights), then 1.0 for the environment's
@@ -460,16 +481,22 @@ def with_absolute_paths(cfg: JobConfig, base: str | os.PathLike) -> JobConfig:
     (`tandem run --address` joined a `ray start` whose workers run in another directory)."""
     b = Path(base)
 
+    from tandem.core.hub import is_hub_id  # noqa: PLC0415 - hub imports this module
+
     def absolute(v):
         return v if v is None or Path(v).is_absolute() else str(b / v)
+
+    def local_or_hub(v):  # a local path wins; a Hub id stays a name
+        return v if v is not None and not (b / v).exists() and is_hub_id(v) else absolute(v)
 
     def function(spec: str) -> str:
         target, sep, name = spec.rpartition(":")
         return f"{absolute(target)}{sep}{name}" if target.endswith(".py") else spec
     return cfg.model_copy(update={
-        "model": cfg.model.model_copy(update={"path": absolute(cfg.model.path)}),
-        "data": cfg.data.model_copy(update={"path": absolute(cfg.data.path)}),
-        "eval": cfg.eval.model_copy(update={"path": absolute(cfg.eval.path)}),
+        "model": cfg.model.model_copy(update={"path": local_or_hub(cfg.model.path)}),
+        "data": cfg.data.model_copy(update={"path": local_or_hub(cfg.data.path),
+                                            "map": None if cfg.data.map is None else function(cfg.data.map)}),
+        "eval": cfg.eval.model_copy(update={"path": local_or_hub(cfg.eval.path)}),
         "rewards": [function(r) for r in cfg.rewards],
         "tools": None if cfg.tools is None else [function(t) for t in cfg.tools],
         "environment": None if cfg.environment is None else function(cfg.environment),

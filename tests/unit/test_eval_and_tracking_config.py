@@ -86,7 +86,8 @@ def test_a_missing_tracker_package_names_its_extra(job_files, monkeypatch):
 
 def test_a_missing_eval_file_is_named(job_files):
     cfg = job(job_files, eval={"path": "/nonexistent/eval.jsonl"})
-    assert checks.data_error(cfg, "eval.path") == "eval.path = '/nonexistent/eval.jsonl': no such file or directory"
+    assert checks.data_error(cfg, "eval.path") == ("eval.path = '/nonexistent/eval.jsonl': no such file or directory, nor a "
+                                                   "Hub dataset id")
 
 
 def trl(job_files, **flat):

@@ -253,6 +253,7 @@ def test_relative_paths_become_absolute_against_the_drivers_directory(tmp_path):
     """`tandem run --address`: the actors start in the cluster's directories, not the driver's."""
     from tandem.core.config import JobConfig, with_absolute_paths
 
+    (tmp_path / "models/tiny").mkdir(parents=True)  # exists here: a local path (else `models/tiny` is a Hub id)
     cfg = JobConfig.from_dict({"model": {"path": "models/tiny"}, "data": {"path": "data/train.jsonl"},
                                "eval": {"path": "/abs/eval.jsonl"}, "rewards": ["rewards.py:r", "pkg.mod:f"],
                                "logging": {"output_dir": "runs/a"}})
@@ -262,6 +263,9 @@ def test_relative_paths_become_absolute_against_the_drivers_directory(tmp_path):
     assert got.logging.output_dir == str(tmp_path / "runs/a") and got.checkpoint.dir is None
     assert got.checkpoint_dir == str(tmp_path / "runs/a" / "checkpoints")
     assert cfg.data.path == "data/train.jsonl"  # the job itself is untouched
+    hub = with_absolute_paths(cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": "org/tiny"})}),
+                              tmp_path)
+    assert hub.model.path == "org/tiny"  # no such local path: a Hub id, resolved on each node
 
 
 def test_tandem_check_reads_the_data_and_refuses_what_trains_nothing(job_files, tmp_path, capsys):

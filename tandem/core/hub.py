@@ -1,0 +1,96 @@
+"""Models and datasets named by their Hugging Face Hub ids (`Qwen/Qwen2.5-1.5B-Instruct`, `openai/gsm8k`).
+
+A job's `model.path`, `data.path` and `eval.path` take a local path or a Hub id; a local path that exists wins.
+A Hub id is resolved in the process that loads it, on each node (the learner, every rollout worker, the
+controller): through that node's `huggingface_hub` cache (HF_HOME / HF_HUB_CACHE, HF_HUB_OFFLINE honoured),
+downloading only where the Hub can be reached, as transformers' `from_pretrained` and datasets' `load_dataset` do.
+huggingface_hub and datasets are imported inside the functions: tandem.core stays light."""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+from typing import Any
+
+from tandem.core.config import JobConfigError
+
+# huggingface_hub's repo id rule (validate_repo_id): one optional namespace, then a name
+_REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
+# what a causal LM needs from its repo (the weights in safetensors or, for older repos, .bin)
+MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.py"]
+_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv", ".py")
+
+
+def is_hub_id(value: str | None) -> bool:
+    """A name that is no local path and has the shape of a Hub repo id (a local path wins where both could)."""
+    if not value or Path(value).exists() or value.startswith((".", "/", "~")) or "--" in value or ".." in value:
+        return False
+    return bool(_REPO_ID.match(value)) and not value.endswith(_DATA_SUFFIXES)
+
+
+def hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+@functools.lru_cache(maxsize=8)
+def model_dir(path: str, revision: str | None = None) -> str:
+    """The local directory of `model.path`: the path itself, or the Hub id's snapshot in this node's cache
+    (downloaded there first where the Hub can be reached). A missing id is one JobConfigError naming it, the
+    revision and the cache searched."""
+    if not is_hub_id(path):
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(path, revision=revision, allow_patterns=MODEL_FILES)
+    except Exception as e:  # LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError, ...
+        raise JobConfigError(_missing("model.path", path, revision, "models", e)) from None
+    if not (Path(local) / "config.json").is_file():
+        raise JobConfigError(f"model.path = {path!r}: the Hub snapshot {local} has no config.json (not a "
+                             "transformers model); allowed: a causal LM's repo id or local directory")
+    return local
+
+
+def _missing(field: str, name: str, revision: str | None, kind: str, e: Exception) -> str:
+    where = f"revision {revision!r} of " if revision else ""
+    how = ("HF_HUB_OFFLINE is set" if _offline() else
+           f"the Hub did not give it ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else e})")
+    return (f"{field} = {name!r}: no local path of that name, and {where}the Hub {kind[:-1]} {name!r} is not in the "
+            f"Hugging Face cache {hub_cache() if kind == 'models' else _datasets_cache()} ({how}); allowed: a local "
+            f"path, or a Hub id cached on every node (hf download {'--repo-type dataset ' if kind == 'datasets' else ''}{name})")
+
+
+def _datasets_cache() -> str:
+    import datasets
+
+    return str(datasets.config.HF_DATASETS_CACHE)
+
+
+def load_hub_dataset(field: str, path: str, name: str | None, split: str, revision: str | None = None
+                     ) -> list[dict[str, Any]]:
+    """A Hub dataset's split as rows, read with `datasets.load_dataset` (its cache, offline or not)."""
+    import datasets
+
+    logging_level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity_error()  # "using the latest cached version" on every offline read
+    try:
+        ds = datasets.load_dataset(path, name, split=split, revision=revision)
+    except ValueError as e:
+        if "split" in str(e).lower() or "config" in str(e).lower():
+            raise JobConfigError(f"{field} = {path!r} (name {name!r}, split {split!r}): {str(e).splitlines()[0]}"
+                                 ) from None
+        raise JobConfigError(_missing(field, path, revision, "datasets", e)) from None
+    except Exception as e:  # ConnectionError offline, DatasetNotFoundError, FileNotFoundError
+        raise JobConfigError(_missing(field, path, revision, "datasets", e)) from None
+    finally:
+        datasets.logging.set_verbosity(logging_level)
+    return ds.to_list()
