@@ -1,11 +1,20 @@
+import atexit
 import json
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
 # Kernels run through Triton's interpreter on CPU (must be set before triton is imported).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# The Hub, offline, in a cache of this session's own (the Hub-name tests fill it; Ray's processes inherit it):
+# set before huggingface_hub and datasets are imported, which read them once.
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="tandem-hf-")
+atexit.register(shutil.rmtree, os.environ["HF_HOME"], ignore_errors=True)
+os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 
 
@@ -114,3 +123,36 @@ def ray_head():
         head.terminate()  # ray start --block drains, then stops what it started
         head.wait(90)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def hub_cache():
+    """The session's Hugging Face cache filled as huggingface_hub and datasets leave it after a download: the model
+    `tandem-test/tiny` at two revisions (main, and the branch `v2`: another seed), and the dataset
+    `tandem-test/arith` (configuration `plain`, splits train and test) prepared by datasets' own json builder.
+    -> {"model": id, "main": commit, "v2": commit, "dataset": id}."""
+    import datasets
+    from datasets.packaged_modules.json.json import Json
+    from huggingface_hub import constants
+
+    from tandem.services.devtools.tiny_model import build_tiny_model
+
+    repo = Path(constants.HF_HUB_CACHE) / "models--tandem-test--tiny"
+    commits = {"main": "1" * 40, "v2": "2" * 40}
+    for seed, (ref, commit) in enumerate(commits.items()):
+        build_tiny_model(repo / "snapshots" / commit, layers=1, hidden=64, vocab=512, seed=seed)
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    src = Path(tempfile.mkdtemp(prefix="tandem-arith-"))
+    for split, n in (("train", 16), ("test", 4)):
+        (src / f"{split}.jsonl").write_text("".join(json.dumps({"question": f"{a} + {a}", "answer": 2 * a}) + "\n"
+                                                    for a in range(n)))
+    cache = Path(datasets.config.HF_DATASETS_CACHE)
+    builder = Json(cache_dir=str(cache), dataset_name="arith", config_name="plain",
+                   data_files={s: str(src / f"{s}.jsonl") for s in ("train", "test")})
+    builder.download_and_prepare()
+    # where load_dataset("tandem-test/arith", "plain") puts it: <namespace>___<name>/<config>/<version>/<commit>
+    dst = cache / "tandem-test___arith" / "plain" / "0.0.0" / ("3" * 40)
+    dst.parent.mkdir(parents=True)
+    shutil.move(builder.cache_dir, dst)
+    return {"model": "tandem-test/tiny", **commits, "dataset": "tandem-test/arith"}

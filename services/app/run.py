@@ -97,11 +97,11 @@ def controller_name(output_dir: str) -> str:
     return "controller:" + str(Path(output_dir).resolve())
 
 
-def start_controller(ray, cfg, resource_wait_s: float = 0.0, out=None):
+def start_controller(ray, cfg, resource_wait_s: float = 0.0, out=None, datasets: dict | None = None):
     """The Controller actor, named after the run directory; two threads, so that `scale` and `status`
     are answered while a cycle runs. resource_wait_s: how long a request no node has may wait for an
     autoscaler (0 on the embedded Ray: no node will join it); meanwhile what it waits for is printed every
-    WAIT_REPORT_S."""
+    WAIT_REPORT_S. datasets: rows given from Python, as Ray references (GRPOTrainer), the controller reads."""
     from tandem.core.config import JobConfigError
     from tandem.services.orchestrator.controller import Controller
 
@@ -110,7 +110,7 @@ def start_controller(ray, cfg, resource_wait_s: float = 0.0, out=None):
     if not name_is_free(ray, name):
         raise JobConfigError(f"logging.output_dir = {cfg.logging.output_dir!r}: a job writing there is already "
                              "running on this Ray cluster; allowed: a run directory no running job uses")
-    ctl = ray.remote(num_cpus=0, max_concurrency=2)(Controller).options(name=name, namespace=NAMESPACE).remote(cfg)
+    ctl = ray.remote(num_cpus=0, max_concurrency=2)(Controller).options(name=name, namespace=NAMESPACE).remote(cfg, datasets)
     try:  # waited for: a threaded actor does not keep its calls in order
         wait_reporting(ray, cfg, ctl.setup.remote(resource_wait_s, own_process=True), resource_wait_s, out)
     except Exception:
@@ -301,21 +301,21 @@ def hold_run_dir(output_dir: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def run_job(cfg, address: str | None = None, out=None) -> int:
+def run_job(cfg, address: str | None = None, out=None, datasets: dict | None = None) -> int:
     t_start = time.time()
     out = out or sys.stdout  # looked up now: a caller may have redirected it
     ray = start_ray(address, cfg)
     with sigterm_as_interrupt():  # after ray.init, whose core worker installs a SIGTERM handler of its own
-        return _run_job(cfg, ray, address, out, t_start)
+        return _run_job(cfg, ray, address, out, t_start, datasets)
 
 
-def _run_job(cfg, ray, address: str | None, out, t_start: float) -> int:
+def _run_job(cfg, ray, address: str | None, out, t_start: float, datasets: dict | None = None) -> int:
     from tqdm import tqdm
 
     wait_s = RESOURCE_WAIT_S if address else 0.0
     ctl = None
     try:
-        ctl = start_controller(ray, cfg, wait_s, out)  # stops what it started when it fails
+        ctl = start_controller(ray, cfg, wait_s, out, datasets)  # stops what it started when it fails
         if cfg.checkpoint.resume:
             resume_job(ray, ctl, out, none=f"checkpoint.resume: no checkpoint to resume from in {cfg.checkpoint_dir}; "
                                           "starting at step 0")
@@ -339,7 +339,7 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float) -> int:
             # adapter, which a replacement rollout worker loads (vllm_mode colocate: worker 0 dies with the learner)
             except (ray.exceptions.RayActorError, ray.exceptions.OwnerDiedError) as e:
                 restarts += 1
-                ctl = restart_job(ray, cfg, ctl, e, restarts, out, wait_s)
+                ctl = restart_job(ray, cfg, ctl, e, restarts, out, wait_s, datasets)
                 bar.n = ray.get(ctl.__ray_call__.remote(lambda self: self.cycle))
                 bar.refresh()
                 continue
@@ -418,7 +418,7 @@ def one_line(e: BaseException) -> str:
     return msg if isinstance(c, (JobConfigError, ActorError)) else f"{type(c).__name__}: {msg}"
 
 
-def restart_job(ray, cfg, ctl, error, restarts: int, out, resource_wait_s: float = 0.0):
+def restart_job(ray, cfg, ctl, error, restarts: int, out, resource_wait_s: float = 0.0, datasets: dict | None = None):
     """A dead learner rank or controller: the job starts again from its newest complete checkpoint (the
     prompts after it are handed out again, their metrics lines cut), at most cluster.max_restarts times.
     The learner and the rollout workers are the controller's actors: they go with it. -> the new one."""
@@ -429,7 +429,7 @@ def restart_job(ray, cfg, ctl, error, restarts: int, out, resource_wait_s: float
     print(f"tandem: {reason}; restart {restarts} of {cfg.cluster.max_restarts} from the newest checkpoint", file=out)
     stop_controller(ray, ctl)  # start_controller waits for its name to be free
     again = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": True})})
-    ctl = start_controller(ray, again, resource_wait_s, out)
+    ctl = start_controller(ray, again, resource_wait_s, out, datasets)
     resume_job(ray, ctl, out, none="resumed from checkpoint: none yet (step 0)")
     return ctl
 

@@ -491,7 +491,7 @@ def with_absolute_paths(cfg: JobConfig, base: str | os.PathLike) -> JobConfig:
 
     def function(spec: str) -> str:
         target, sep, name = spec.rpartition(":")
-        return f"{absolute(target)}{sep}{name}" if target.endswith(".py") else spec
+        return f"{absolute(target)}{sep}{name}" if target.endswith((".py", ".pkl")) else spec
     return cfg.model_copy(update={
         "model": cfg.model.model_copy(update={"path": local_or_hub(cfg.model.path)}),
         "data": cfg.data.model_copy(update={"path": local_or_hub(cfg.data.path),

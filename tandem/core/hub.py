@@ -41,13 +41,15 @@ def _offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-@functools.lru_cache(maxsize=8)
 def model_dir(path: str, revision: str | None = None) -> str:
     """The local directory of `model.path`: the path itself, or the Hub id's snapshot in this node's cache
     (downloaded there first where the Hub can be reached). A missing id is one JobConfigError naming it, the
     revision and the cache searched."""
-    if not is_hub_id(path):
-        return path
+    return _snapshot(path, revision) if is_hub_id(path) else path
+
+
+@functools.lru_cache(maxsize=8)  # a process resolves its job's model once (every load site asks)
+def _snapshot(path: str, revision: str | None) -> str:
     from huggingface_hub import snapshot_download
 
     try:

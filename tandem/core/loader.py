@@ -12,10 +12,16 @@ from pathlib import Path
 
 
 def load_function(spec: str):
-    """`package.module:function` or `path/to/file.py:function` -> the callable."""
+    """`package.module:function`, `path/to/file.py:function`, or `path/to/functions.pkl:name` (functions given from
+    Python, pickled by value into the run directory: tandem.services.app.trainer) -> the callable."""
     if not isinstance(spec, str) or ":" not in spec:
         raise ValueError("expected 'module:function' or 'path/to/file.py:function'")
     target, name = spec.rsplit(":", 1)
+    if target.endswith(".pkl"):
+        fn = _pickled(target).get(name)
+        if fn is None or not callable(fn):
+            raise ValueError(f"{target!r} holds no function {name!r}")
+        return fn
     if target.endswith(".py"):
         path = Path(target)
         if not path.is_file():
@@ -40,3 +46,22 @@ def load_function(spec: str):
     if fn is None or not callable(fn):
         raise ValueError(f"{target!r} has no function {name!r}")
     return fn
+
+
+def _pickled(path: str) -> dict:
+    """The {name: function} a GRPOTrainer pickled (cloudpickle, by value), read once per process and version."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"file {path!r} not found (the functions given to tandem.GRPOTrainer are pickled there)")
+    key = (str(p.resolve()), p.stat().st_mtime_ns)
+    if key not in _PICKLED:
+        import pickle  # cloudpickle's output loads with pickle; the classes it names are cloudpickle's own
+
+        try:
+            _PICKLED[key] = pickle.loads(p.read_bytes())
+        except Exception as e:
+            raise ValueError(f"unpickling {path!r} failed: {type(e).__name__}: {e}") from None
+    return _PICKLED[key]
+
+
+_PICKLED: dict[tuple[str, int], dict] = {}

@@ -156,9 +156,11 @@ def _sections(flat: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[str
                 unsupported.append(f"{name}={value!r} (with beta > 0)")
         elif name in KNOWN:
             put(*KNOWN[name], value)
-        elif name in ("bf16", "fp16"):
-            if value:
-                put("model", "dtype", "bfloat16" if name == "bf16" else "float16")
+        elif name in ("bf16", "fp16"):  # fp16 wins, as in transformers; both off: float32
+            if flat.get("fp16") or flat.get("bf16"):
+                put("model", "dtype", "float16" if flat.get("fp16") else "bfloat16")
+            elif flat.get("bf16") is False:
+                put("model", "dtype", "float32")
         elif name in ("eval_strategy", "evaluation_strategy"):
             if value not in ("no", "steps"):
                 unsupported.append(f"{name}={value!r} (allowed: 'steps', 'no')")

@@ -1,0 +1,228 @@
+"""The front door without a job running: Hub names resolved through a real huggingface_hub / datasets cache offline
+(tests/conftest.py: hub_cache), rows shaped by data.map and data.system_prompt, TRL's constructor arguments mapped or
+refused by name, functions pickled by value."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tandem.core.config import JobConfig, JobConfigError
+
+
+def hub_job(hub_cache, tmp_path, **sections):
+    d = {"model": {"path": hub_cache["model"], "dtype": "float32"}, "data": {"path": hub_cache["dataset"],
+         "name": "plain", "prompt_column": "question"}, "rewards": ["examples/rewards.py:digits_reward"],
+         "logging": {"output_dir": str(tmp_path / "run")}}
+    for k, v in sections.items():
+        d[k] = {**d.get(k, {}), **v} if isinstance(v, dict) else v
+    return JobConfig.from_dict(d)
+
+
+# ------------------------------------------------------------------------------------------ models
+
+
+def test_a_hub_model_id_is_its_cached_snapshot_at_the_revision_asked(hub_cache, tmp_path):
+    from huggingface_hub import constants
+    from transformers import AutoModelForCausalLM
+
+    from tandem.core.checks import model_error
+    from tandem.core.hub import model_dir
+
+    snapshots = os.path.join(constants.HF_HUB_CACHE, "models--tandem-test--tiny", "snapshots")
+    assert model_dir(hub_cache["model"]) == os.path.join(snapshots, hub_cache["main"])
+    assert model_dir(hub_cache["model"], "v2") == os.path.join(snapshots, hub_cache["v2"])  # a branch
+    assert model_dir(hub_cache["model"], hub_cache["v2"]) == os.path.join(snapshots, hub_cache["v2"])  # a commit
+    main, v2 = (AutoModelForCausalLM.from_pretrained(model_dir(hub_cache["model"], r)) for r in (None, "v2"))
+    assert not main.model.embed_tokens.weight.equal(v2.model.embed_tokens.weight)  # two seeds: two models
+    cfg = hub_job(hub_cache, tmp_path, model={"revision": "v2"})
+    assert model_error(cfg) is None and cfg.model.local_dir() == os.path.join(snapshots, hub_cache["v2"])
+
+
+@pytest.mark.parametrize("model", [{"path": "tandem-test/missing"}, {"revision": "v9"}])
+def test_a_hub_model_not_in_the_cache_is_one_line_naming_it_and_the_cache(hub_cache, tmp_path, capsys, model):
+    """`tandem check` (what `tandem run` checks first): exit 2, one line with the name, revision and cache."""
+    import yaml
+    from huggingface_hub import constants
+
+    from tandem.services.app.cli import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(hub_job(hub_cache, tmp_path, model=model).model_dump(mode="json")))
+    assert main(["check", str(job)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and constants.HF_HUB_CACHE in err and "HF_HUB_OFFLINE" in err
+    assert f"model.path = {model.get('path', hub_cache['model'])!r}" in err
+    assert ("revision 'v9'" in err) == ("revision" in model)
+
+
+def test_a_local_directory_wins_over_a_hub_id_of_the_same_name(hub_cache, tmp_path, monkeypatch):
+    from tandem.core.hub import is_hub_id, model_dir
+
+    monkeypatch.chdir(tmp_path)
+    assert is_hub_id("tandem-test/tiny")
+    (tmp_path / "tandem-test" / "tiny").mkdir(parents=True)
+    assert not is_hub_id("tandem-test/tiny") and model_dir("tandem-test/tiny", "v2") == "tandem-test/tiny"
+
+
+# ---------------------------------------------------------------------------------------- datasets
+
+
+def test_a_hub_dataset_is_read_by_name_configuration_and_split(hub_cache):
+    from tandem.services.orchestrator.data import read_dataset
+
+    train = read_dataset("data.path", hub_cache["dataset"], "plain", "train")
+    assert train == [{"question": f"{a} + {a}", "answer": 2 * a} for a in range(16)]
+    assert len(read_dataset("eval.path", hub_cache["dataset"], "plain", "test")) == 4
+    with pytest.raises(JobConfigError, match=r"data.path = 'tandem-test/arith' \(name 'plain', split 'dev'\).*"
+                                             r"\['train', 'test'\]"):
+        read_dataset("data.path", hub_cache["dataset"], "plain", "dev")
+
+
+def test_a_hub_dataset_not_in_the_cache_is_one_line_naming_it_and_the_cache(hub_cache):
+    import datasets
+
+    from tandem.services.orchestrator.data import read_dataset
+
+    with pytest.raises(JobConfigError) as e:
+        read_dataset("eval.path", "tandem-test/nowhere", None, "test")
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and msg.startswith("eval.path = 'tandem-test/nowhere': no local path")
+    assert str(datasets.config.HF_DATASETS_CACHE) in msg and "HF_HUB_OFFLINE" in msg
+
+
+def test_map_and_system_prompt_shape_every_row_and_keep_its_columns(hub_cache, tmp_path):
+    from transformers import AutoTokenizer
+
+    from tandem.core.hub import model_dir
+    from tandem.services.orchestrator.data import DataError, shaped
+
+    (tmp_path / "shape.py").write_text(textwrap.dedent('''
+        def to_chat(row):
+            return {"prompt": [{"role": "user", "content": "Q: " + row["question"]}], "n": len(row["question"])}
+        def broken(row):
+            return None
+    '''))
+    tok = AutoTokenizer.from_pretrained(model_dir(hub_cache["model"]))
+    rows = [{"question": "1 + 1", "answer": 2}, {"question": "2 + 2", "answer": 4}]
+    cfg = hub_job(hub_cache, tmp_path, data={"map": f"{tmp_path}/shape.py:to_chat", "system_prompt": "Be brief.",
+                                              "prompt_column": "prompt"})
+    got = shaped(rows, cfg.data, tok, "data.path")
+    assert got[1] == {"question": "2 + 2", "answer": 4, "n": 5, "prompt": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q: 2 + 2"}]}
+    assert rows[1] == {"question": "2 + 2", "answer": 4}  # the rows read are not changed in place
+    # a string prompt becomes a system and a user turn; a conversation with its own system message keeps it
+    text = cfg.data.model_copy(update={"map": None, "prompt_column": "question"})
+    assert shaped(rows, text, tok, "x")[0]["question"] == [{"role": "system", "content": "Be brief."},
+                                                           {"role": "user", "content": "1 + 1"}]
+    own = [{"prompt": [{"role": "system", "content": "Mine."}, {"role": "user", "content": "hi"}]}]
+    assert shaped(own, cfg.data.model_copy(update={"map": None}), tok, "x") == own
+    tok.chat_template = None
+    with pytest.raises(DataError, match="data.system_prompt with x row 0's string prompt: .* no chat template"):
+        shaped(rows, text, tok, "x")
+    with pytest.raises(DataError, match=r"data.map = '.*shape.py:broken' on x row 0 returned NoneType"):
+        shaped(rows, cfg.data.model_copy(update={"map": f"{tmp_path}/shape.py:broken"}), tok, "x")
+
+
+# ------------------------------------------------------------------------------------- TRL's front
+
+
+def reward_len(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def test_trl_arguments_become_the_job_a_peft_model_gives_its_lora(hub_cache, tmp_path):
+    import trl
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tandem import GRPOConfig, GRPOTrainer
+    from tandem.core.hub import model_dir
+
+    rows = [{"prompt": "1 + 1", "answer": 2}]
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "a"), bf16=False, learning_rate=1e-4, max_steps=3,
+                          num_generations=4, per_device_train_batch_size=4, max_completion_length=16)
+    t = GRPOTrainer(model=hub_cache["model"], reward_funcs=[reward_len, "examples/rewards.py:digits_reward"],
+                    args=args, train_dataset=rows, peft_config=LoraConfig(r=4, lora_alpha=8,
+                                                                          target_modules=["q_proj", "v_proj"]))
+    job = t.job
+    assert (job.model.path, job.model.dtype, job.model.lora.r, job.model.lora.target_modules) == (
+        "tandem-test/tiny", "float32", 4, ["q_proj", "v_proj"])
+    assert (job.optimizer.learning_rate, job.batch.max_steps, job.generation.max_completion_length) == (1e-4, 3, 16)
+    assert job.rewards == [f"{tmp_path}/a/.tandem/functions.pkl:reward_len",
+                           f"{os.getcwd()}/examples/rewards.py:digits_reward"]
+    assert job.data.path is None and t.datasets == {"data": rows}
+    # an Unsloth-style PeftModel: its base's name and its LoraConfig; Tandem's own sections beside TRL's names
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir(hub_cache["model"])),
+                          LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+    peft.get_base_model().name_or_path = hub_cache["model"]  # as from_pretrained("tandem-test/tiny") names it
+    t = GRPOTrainer(model=peft, reward_funcs=reward_len, train_dataset=rows, args=GRPOConfig(
+        output_dir=str(tmp_path / "b"), bf16=False, cluster={"max_staleness": 1}))
+    assert (t.job.model.path, t.job.model.lora.r, t.job.cluster.max_staleness) == ("tandem-test/tiny", 2, 1)
+    assert len(t.job.model.lora.target_modules) == 7
+    # no peft_config and a plain model: full fine-tuning, as TRL
+    assert GRPOTrainer(model=hub_cache["model"], reward_funcs=reward_len, train_dataset=rows,
+                       args={"output_dir": str(tmp_path / "c"), "bf16": False}).job.model.lora is None
+
+
+def test_what_tandem_does_not_do_is_refused_by_name(hub_cache, tmp_path):
+    import datasets
+    from peft import LoraConfig
+
+    from tandem import GRPOConfig, GRPOTrainer
+
+    rows = [{"prompt": "1 + 1"}]
+    kw = dict(model=hub_cache["model"], reward_funcs=reward_len, train_dataset=rows,
+              args=GRPOConfig(output_dir=str(tmp_path / "r"), bf16=False))
+    with pytest.raises(JobConfigError, match="not supported by Tandem .*: use_liger_loss=True"):
+        GRPOConfig(output_dir="x", use_liger_loss=True)
+    with pytest.raises(JobConfigError, match=r"GRPOTrainer\(callbacks=...\): not supported"):
+        GRPOTrainer(**kw, callbacks=[object()])
+    with pytest.raises(JobConfigError, match="reward model"):
+        GRPOTrainer(**{**kw, "reward_funcs": "org/reward-model"})
+    with pytest.raises(JobConfigError, match="use_dora=True"):
+        GRPOTrainer(**kw, peft_config=LoraConfig(use_dora=True))
+    ds = datasets.Dataset.from_list(rows)
+    with pytest.raises(JobConfigError, match=r"IterableDataset\): Tandem shuffles and resumes by row"):
+        GRPOTrainer(**{**kw, "train_dataset": ds.to_iterable_dataset()})
+    with pytest.raises(JobConfigError, match=r"DatasetDict of \['train'\]\): one split; allowed: e.g. ds\['train'\]"):
+        GRPOTrainer(**{**kw, "train_dataset": datasets.DatasetDict({"train": ds})})
+    assert GRPOTrainer(**{**kw, "train_dataset": ds}).datasets["data"] == rows  # a Dataset is its rows
+
+
+def test_a_tokenizer_changed_in_memory_is_refused(hub_cache, tmp_path):
+    from transformers import AutoTokenizer
+
+    from tandem import GRPOTrainer
+    from tandem.core.hub import model_dir
+
+    tok = AutoTokenizer.from_pretrained(model_dir(hub_cache["model"]))
+    kw = dict(model=hub_cache["model"], reward_funcs=reward_len, train_dataset=[{"prompt": "1"}],
+              args={"output_dir": str(tmp_path / "t"), "bf16": False})
+    GRPOTrainer(**kw, processing_class=tok)  # the model's own: taken
+    tok.chat_template = "{{ messages[0]['content'] }}"  # what an Unsloth notebook's get_chat_template does
+    with pytest.raises(JobConfigError, match="processing_class=...\\): differs from the tokenizer saved with model "
+                                             "'tandem-test/tiny'"):
+        GRPOTrainer(**kw, processing_class=tok)
+
+
+def test_functions_made_in_a_process_load_by_value_where_their_module_cannot_be_imported(tmp_path):
+    """A closure over a local, calling a helper of this test module: pickled by value, it runs in a fresh
+    interpreter that cannot import `tests` (another directory, no path to this repository's tests)."""
+    from tandem.services.app.trainer import write_functions
+
+    bonus = 0.5
+
+    def reward_closure(completions, **kwargs):
+        return [v + bonus for v in reward_len(completions)]
+    write_functions(tmp_path / "f.pkl", {"reward_closure": reward_closure})
+    code = ("import sys; from tandem.core.loader import load_function; "
+            "assert 'tests' not in sys.modules; "
+            f"print(load_function({str(tmp_path / 'f.pkl') + ':reward_closure'!r})(completions=['ab', 'abcd']))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip()) == [2.5, 4.5]
