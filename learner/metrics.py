@@ -81,6 +81,8 @@ def rollout_stats(s: Samples, G: int, weights, version: int, rewards: np.ndarray
         "completion_length": float(lengths.mean()),
         "completion_length_min": float(lengths.min()),
         "completion_length_max": float(lengths.max()),
+        "completion_length_p50": float(np.percentile(lengths, 50)),
+        "completion_length_p95": float(np.percentile(lengths, 95)),
         "frac_truncated": float(1 - s.eos.mean()),
         "version_lag": float(np.mean(version - s.versions)),
         "version_lag_max": float(np.max(version - s.versions)),
