@@ -155,11 +155,20 @@ class GRPOTrainer:
         self.functions[name] = fn
         return f"{pkl}:{name}"
 
-    def train(self) -> TrainOutput:
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
+        """resume_from_checkpoint (TRL's argument): True, or a checkpoint of this run, continues from the run's
+        newest complete checkpoint (Tandem resumes the newest it can read, naming any it skips)."""
         from tandem.core.checks import check_inputs
         from tandem.services.app.run import hold_run_dir, run_job, start_ray
 
         cfg = self.job
+        if resume_from_checkpoint:
+            ck = Path(cfg.checkpoint_dir).resolve()
+            if resume_from_checkpoint is not True and ck not in Path(resume_from_checkpoint).resolve().parents \
+                    and Path(resume_from_checkpoint).resolve() != ck:
+                raise JobConfigError(f"train(resume_from_checkpoint={resume_from_checkpoint!r}): not a checkpoint of "
+                                     f"this run; allowed: True, or a path under {ck}")
+            cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": True})})
         with hold_run_dir(cfg.logging.output_dir):
             if self.functions:
                 write_functions(Path(cfg.logging.output_dir) / FUNCTIONS_FILE, self.functions)

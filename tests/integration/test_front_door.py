@@ -6,6 +6,7 @@ import runpy
 
 import pytest
 
+from tandem.core.config import JobConfigError
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.integration
@@ -51,7 +52,8 @@ def test_a_trl_quick_start_script_trains_on_tandem_with_only_its_import_changed(
     assert [a for a, b in zip(script.splitlines(), ours.splitlines()) if a != b] == [
         "from trl import GRPOConfig, GRPOTrainer"]
     (tmp_path / "train.py").write_text(ours)
-    result = runpy.run_path(str(tmp_path / "train.py"), run_name="__main__")["result"]  # functions of __main__
+    ns = runpy.run_path(str(tmp_path / "train.py"), run_name="__main__")  # its functions are __main__'s
+    result, trainer = ns["result"], ns["trainer"]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert result.global_step == 3 and [x["step"] for x in lines] == [1, 2, 3] and result.metrics == lines[-1]
     assert all(x["rewards/1/mean"] == 0.25 for x in lines)  # the closure's captured value, on the rollout worker
@@ -59,6 +61,14 @@ def test_a_trl_quick_start_script_trains_on_tandem_with_only_its_import_changed(
     adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == "tandem-test/tiny" and adapter["r"] == 8  # the Hub id, as peft
     assert (out / ".tandem" / "functions.pkl").is_file()
+    # train() again: never a silent fresh start over the run; TRL's resume_from_checkpoint continues it
+    with pytest.raises(JobConfigError, match="holds an earlier run"):
+        trainer.train()
+    with pytest.raises(JobConfigError, match="not a checkpoint of this run"):
+        trainer.train(resume_from_checkpoint=str(tmp_path))
+    again = trainer.train(resume_from_checkpoint=True)  # the run is complete: it resumes and trains nothing
+    assert again.global_step == 3 and [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()
+                                       ] == [1, 2, 3]
 
 
 def test_a_job_file_names_its_model_revision_and_data_by_hub_id(ray_session, hub_cache, tmp_path):
