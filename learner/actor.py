@@ -18,7 +18,7 @@ from tandem.core.checks import check_learner_device, check_shared_dir
 from tandem.core.compat import before_deepspeed_init, set_distributed_env
 from tandem.core.plan import BatchPlan
 from tandem.learner import checkpoint_io
-from tandem.learner.batch import Samples, collate, to_device
+from tandem.learner.batch import Samples, collate, real_tokens, to_device
 from tandem.learner.grpo import (
     LossInputs,
     compute_advantages,
@@ -219,7 +219,8 @@ class Learner:
         rewards, weights = with_overlong_column(torch.from_numpy(s.rewards), lengths, cfg.column_weights(), g,
                                                 cfg.generation.max_completion_length)
         adv = compute_advantages(rewards, plan.num_generations, weights, g.scale_rewards)
-        mk = dict(pad_id=self.pad_id, mask_truncated=g.mask_truncated_completions)
+        mk = dict(pad_id=self.pad_id, mask_truncated=g.mask_truncated_completions,
+                  padding_free=cfg.model.padding_free)
         S = plan.steps_per_generation
         mbs = [to_device(collate(s, plan.rows(k, self.rank), adv, **mk), self.device) for k in range(S)]
         self.engine.train()
@@ -234,8 +235,10 @@ class Learner:
         self.version += 1
         batch_stats = rollout_stats(s, plan.num_generations, weights, self.version - 1, rewards.numpy())
         train_s = time.time() - t0
-        tokens = sum(int(mb["attention_mask"].sum()) for mb in mbs) * plan.num_iterations  # this rank's
+        tokens = sum(real_tokens(mb) for mb in mbs) * plan.num_iterations  # this rank's
         batch_stats.update(self._throughput(tokens, train_s))
+        computed = sum(int(mb["input_ids"].numel()) for mb in mbs) * plan.num_iterations
+        batch_stats["learner/padding_frac"] = 1 - tokens / max(computed, 1)  # the forward's share spent on padding
         for sm in step_metrics:
             sm.update(batch_stats)
             sm["version"] = self.version

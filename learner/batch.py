@@ -49,28 +49,61 @@ class Samples:
         return int(sum(self.loss_masks[i].sum() for i in rows if self.trained(i, mask_truncated)))
 
 
-def collate(s: Samples, rows, advantages: torch.Tensor, *, pad_id: int, mask_truncated: bool) -> dict:
+def collate(s: Samples, rows, advantages: torch.Tensor, *, pad_id: int, mask_truncated: bool,
+            padding_free: bool = False) -> dict:
+    """The rows as one micro-batch: [B, P + T] padded tensors, or (padding_free) every sequence packed into one row
+    [1, L] (positions restarting at each sequence) with `gather` [B, T], the packed position whose hidden state
+    predicts each completion token. The completion tensors ([B, T]) are the same either way."""
     rows = list(rows)
     P = max(len(s.prompts[i]) for i in rows)
     T = max(max(len(s.completions[i]) for i in rows), 1)
     B = len(rows)
+    if padding_free:
+        return _packed(s, rows, T, advantages, pad_id=pad_id, mask_truncated=mask_truncated)
     ids = torch.full((B, P + T), pad_id, dtype=torch.long)
     attn = torch.zeros((B, P + T), dtype=torch.long)
-    comp = torch.full((B, T), pad_id, dtype=torch.long)
-    mask = torch.zeros((B, T), dtype=torch.bool)
-    samp = torch.zeros((B, T), dtype=torch.float32)
     for b, i in enumerate(rows):
         pr, c = s.prompts[i], s.completions[i]
         ids[b, P - len(pr):P] = torch.as_tensor(pr, dtype=torch.long)
         attn[b, P - len(pr):P + len(c)] = 1
         ids[b, P:P + len(c)] = torch.as_tensor(c, dtype=torch.long)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # positions as an unpadded sequence (what vLLM sees)
+    return {"input_ids": ids, "attention_mask": attn, "position_ids": pos,
+            **_completion_tensors(s, rows, T, pad_id, mask_truncated), "advantages": advantages[rows].float()}
+
+
+def _completion_tensors(s: Samples, rows: list, T: int, pad_id: int, mask_truncated: bool) -> dict:
+    B = len(rows)
+    comp = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.bool)
+    samp = torch.zeros((B, T), dtype=torch.float32)
+    for b, i in enumerate(rows):
+        c = s.completions[i]
         comp[b, :len(c)] = torch.as_tensor(c, dtype=torch.long)
         samp[b, :len(c)] = torch.as_tensor(s.sampler_logprobs[i], dtype=torch.float32)
         if s.trained(i, mask_truncated):
             mask[b, :len(c)] = torch.as_tensor(s.loss_masks[i], dtype=torch.bool)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # positions as an unpadded sequence (what vLLM sees)
-    return {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "completion_ids": comp,
-            "mask": mask, "sampler_logp": samp, "advantages": advantages[rows].float()}
+    return {"completion_ids": comp, "mask": mask, "sampler_logp": samp}
+
+
+def _packed(s: Samples, rows: list, T: int, advantages: torch.Tensor, *, pad_id: int, mask_truncated: bool) -> dict:
+    seqs = [np.concatenate([s.prompts[i], s.completions[i]]) for i in rows]
+    ids = torch.as_tensor(np.concatenate(seqs), dtype=torch.long)[None]
+    pos = torch.cat([torch.arange(len(x)) for x in seqs])[None]  # transformers masks attention per sequence
+    gather = torch.zeros((len(rows), T), dtype=torch.long)
+    start = 0
+    for b, i in enumerate(rows):
+        p, c = len(s.prompts[i]), len(s.completions[i])
+        gather[b, :c] = start + p - 1 + torch.arange(c)  # position t predicts token t + 1
+        gather[b, c:] = start  # padding: any position of the row (masked)
+        start += p + c
+    return {"input_ids": ids, "position_ids": pos, "gather": gather,
+            **_completion_tensors(s, rows, T, pad_id, mask_truncated), "advantages": advantages[rows].float()}
+
+
+def real_tokens(mb: dict) -> int:
+    """The tokens a micro-batch's forward computes that are not padding."""
+    return int(mb["input_ids"].numel()) if "gather" in mb else int(mb["attention_mask"].sum())
 
 
 def to_device(mb: dict, device) -> dict:

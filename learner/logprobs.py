@@ -20,6 +20,9 @@ _G = GRPOConfig()  # the spec's defaults, from the job schema (tandem.core): one
 def _hidden(model, batch):
     """-> (hidden [B, T, H] predicting each completion token, lm_head module)."""
     decoder, head = decoder_and_head(model)
+    if "gather" in batch:  # padding-free: one packed row, no attention mask (transformers masks per sequence)
+        out = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+        return out.last_hidden_state[0][batch["gather"]], head
     T = batch["completion_ids"].shape[1]
     out = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                   position_ids=batch["position_ids"], use_cache=False)

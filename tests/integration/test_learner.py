@@ -68,8 +68,28 @@ def test_accumulation_matches_whole_batch(tmp_path, tiny_model, loss_type, zero)
         close(l1.trainable_parameters(), l4.trainable_parameters())
 
 
-@pytest.mark.parametrize("level,mu", [("token", 2), ("sequence", 2), ("token", 1), ("sequence", 1)])
-def test_all_loss_terms_match_whole_batch(tmp_path, tiny_model, level, mu):
+@pytest.mark.parametrize("loss_type,zero", [("dapo", 0), ("grpo", 2), ("dr_grpo", 0), ("bnpo", 3)])
+def test_padding_free_micro_batches_match_the_padded_whole_batch(tmp_path, tiny_model, loss_type, zero):
+    """model.padding_free: each micro-batch's sequences packed into one row (no attention mask: transformers keeps
+    attention within each sequence from the restarting positions) == docs/grpo.md §4 on the padded whole batch."""
+    groups = make_groups(2, 4, seed=1)  # 8 samples, unequal prompt and completion lengths
+    cfg = job(tmp_path, tiny_model, per=2, ga=4, spg=4, loss_type=loss_type, zero=zero, model={"padding_free": True})
+    lr = started(Learner(cfg, port=free_port(), optimizer=sgd(LR)))
+    step = lr.train(groups)["steps"][0]
+    close({k.removeprefix("module."): v for k, v in lr.trainable_parameters().items()}, reference_step(cfg, groups, LR))
+    real = sum(len(g.prompt_ids) * 4 + len(g.tokens) for g in groups)  # prompts once per completion
+    assert step["learner/tokens_per_s"] * step["train_s"] == pytest.approx(real, rel=1e-6)  # no padding counted
+    assert step["learner/padding_frac"] == 0.0  # and none computed: padded, these micro-batches waste some
+    if loss_type != "dapo":
+        return
+    padded = started(Learner(job(tmp_path, tiny_model, per=2, ga=4, spg=4, loss_type=loss_type, zero=zero),
+                             port=free_port(), optimizer=sgd(LR))).train(groups)["steps"][0]
+    assert padded["learner/padding_frac"] > 0.1
+
+
+@pytest.mark.parametrize("level,mu,padding_free", [("token", 2, False), ("sequence", 2, False), ("token", 1, False),
+                                                   ("sequence", 1, False), ("token", 2, True)])
+def test_all_loss_terms_match_whole_batch(tmp_path, tiny_model, level, mu, padding_free):
     """KL to the adapter-free reference, TIS, two-sided clipping, delta, temperature, two PPO epochs:
     the learner's micro-batched path (the fused loss for token level) == docs/grpo.md §4 on the whole batch.
     mu = 1: one optimizer step per cycle, so no separate old-log-prob forward (TIS from the training pass)."""
@@ -77,7 +97,7 @@ def test_all_loss_terms_match_whole_batch(tmp_path, tiny_model, level, mu):
     cfg = job(tmp_path, tiny_model, per=4, ga=2, spg=2, mu=mu,
               grpo={"beta": 0.2, "epsilon_high": 0.28, "delta": 1.5, "importance_sampling_level": level,
                     "vllm_importance_sampling_correction": True, "vllm_importance_sampling_cap": 1.2},
-              generation={"temperature": 0.8})
+              generation={"temperature": 0.8}, model={"padding_free": padding_free})
     lr = started(Learner(cfg, port=free_port(), optimizer=sgd(LR)))
     assert lr.needs_old() == (mu > 1)
     lora = [m for m in lr.model.modules() if type(m).__name__ == "Linear" and hasattr(m, "lora_A")]
@@ -253,11 +273,13 @@ def test_bf16_learner_follows_the_float32_reference(tmp_path, tiny_model, zero):
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])  # dr_grpo: grpo's cross-rank sequence count, a constant per token
 def test_two_ranks_match_one(ray_session, tmp_path, tiny_model, loss_type):
-    """Two Ray learner actors on half the batch each == one rank on the whole batch (ZeRO 2)."""
+    """Two Ray learner actors on half the batch each == one rank on the whole batch (ZeRO 2); grpo's two ranks
+    padding-free (model.padding_free), the one rank padded."""
     from tandem.learner.group import LearnerGroup
 
     groups = make_groups(2, 4, seed=7)
-    c2 = job(tmp_path, tiny_model, per=2, ga=2, spg=2, loss_type=loss_type, zero=2, nproc=2)
+    c2 = job(tmp_path, tiny_model, per=2, ga=2, spg=2, loss_type=loss_type, zero=2, nproc=2,
+             model={"padding_free": loss_type == "grpo"})
     g2 = LearnerGroup(c2, total_steps=10, optimizer=sgd(LR))
     out = g2.train(groups)
     assert out["version"] == 1 and len(out["steps"]) == 1
