@@ -17,7 +17,7 @@ class DataError(JobConfigError):
 
 def read_dataset(field: str, path: str, name: str | None = None, split: str = "train") -> list[dict[str, Any]]:
     """`field` (data.path, eval.path): a local file or directory (it wins), else a Hub dataset's split."""
-    if not Path(path).exists() and is_hub_id(path):
+    if is_hub_id(path):  # no local path of that name
         return load_hub_dataset(field, path, name, split)
     return load_rows(path)
 

@@ -64,7 +64,7 @@ def data_error(cfg: JobConfig, field: str = "data.path") -> str | None:
     if v is None:
         return None
     p = Path(v)
-    if not p.exists() and is_hub_id(v):
+    if is_hub_id(v):  # no local path of that name
         return None  # a Hub dataset: read (or refused, naming it and the cache) where the data is read
     if not p.exists():
         return f"{field} = {v!r}: no such file or directory, nor a Hub dataset id"

@@ -17,7 +17,8 @@ from tandem.core.config import JobConfigError
 
 # huggingface_hub's repo id rule (validate_repo_id): one optional namespace, then a name
 _REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
-# what a causal LM needs from its repo (the weights in safetensors or, for older repos, .bin)
+# what a causal LM needs from its repo: config, tokenizer and safetensors weights (`.bin` only where a repo has no
+# safetensors, as transformers prefers them)
 MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.py"]
 _DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv", ".py")
 
@@ -54,6 +55,8 @@ def _snapshot(path: str, revision: str | None) -> str:
 
     try:
         local = snapshot_download(path, revision=revision, allow_patterns=MODEL_FILES)
+        if not any(Path(local).glob("*.safetensors")):
+            local = snapshot_download(path, revision=revision, allow_patterns=MODEL_FILES + ["*.bin"])
     except Exception as e:  # LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError, ...
         raise JobConfigError(_missing("model.path", path, revision, "models", e)) from None
     if not (Path(local) / "config.json").is_file():
