@@ -55,11 +55,10 @@ def collate(s: Samples, rows, advantages: torch.Tensor, *, pad_id: int, mask_tru
     [1, L] (positions restarting at each sequence) with `gather` [B, T], the packed position whose hidden state
     predicts each completion token. The completion tensors ([B, T]) are the same either way."""
     rows = list(rows)
-    P = max(len(s.prompts[i]) for i in rows)
     T = max(max(len(s.completions[i]) for i in rows), 1)
-    B = len(rows)
     if padding_free:
         return _packed(s, rows, T, advantages, pad_id=pad_id, mask_truncated=mask_truncated)
+    P, B = max(len(s.prompts[i]) for i in rows), len(rows)
     ids = torch.full((B, P + T), pad_id, dtype=torch.long)
     attn = torch.zeros((B, P + T), dtype=torch.long)
     for b, i in enumerate(rows):

@@ -43,10 +43,10 @@ def cmd_check(args) -> int:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(cfg.model.local_dir())
-    for sec in (cfg.data, cfg.eval):  # what the controller refuses at the start
+    for name in ("data", "eval"):  # what the controller refuses at the start
+        sec = getattr(cfg, name)
         if sec.path is not None:
-            rows = shaped(read_dataset(f"{'eval' if sec is cfg.eval else 'data'}.path", sec.path, sec.name, sec.split),
-                          cfg.data, tok, sec.path)
+            rows = shaped(read_dataset(f"{name}.path", sec.path, sec.name, sec.split), cfg.data, tok, sec.path)
             check_rows(rows, cfg.data.prompt_column, sec.path)
     plan = BatchPlan.from_config(cfg)
     print(f"{args.job}: valid; model, data and {len(cfg.rewards)} reward function(s) found on this machine; "

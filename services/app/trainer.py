@@ -222,12 +222,17 @@ _LORA_NEUTRAL = {"use_dora": False, "use_rslora": False, "bias": "none", "module
                  "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}, "init_lora_weights": True}
 
 
+def _differs(value: Any, neutral: Any) -> bool:
+    """A LoraConfig field away from its neutral value (an empty pattern dict or list counts as unset)."""
+    return bool(value) if neutral in ({}, None) else value != neutral
+
+
 def lora_section(lora: Any) -> dict:
     """A peft.LoraConfig as the lora section; what changes training and Tandem does not implement, refused."""
     if type(lora).__name__ != "LoraConfig":
         raise JobConfigError(f"GRPOTrainer(peft_config={type(lora).__name__}): allowed: a peft.LoraConfig")
     bad = [f"{k}={getattr(lora, k)!r}" for k, neutral in _LORA_NEUTRAL.items()
-           if getattr(lora, k, neutral) != neutral and (neutral not in ({}, None) or getattr(lora, k))]
+           if _differs(getattr(lora, k, neutral), neutral)]
     if bad:
         raise JobConfigError(f"GRPOTrainer(peft_config=LoraConfig(...)): not supported by Tandem: {', '.join(bad)}")
     targets = lora.target_modules
