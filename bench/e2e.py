@@ -214,7 +214,8 @@ def tandem_config(paths, wl, k, args, mode="server", vllm=True):
     res = lambda g: {"num_cpus": 1, "num_gpus": g}
     return JobConfig.from_dict({
         "model": {"path": paths["model"], "dtype": wl["model"]["dtype"], "lora": wl["lora"],
-                  "fast_inference": vllm, "gradient_checkpointing": wl.get("gradient_checkpointing", False)},
+                  "fast_inference": vllm, "gradient_checkpointing": wl.get("gradient_checkpointing", False),
+                  "padding_free": wl.get("padding_free", False)},
         "data": {"path": paths["data"]}, "rewards": [REWARD],
         "generation": {"temperature": 1.0, "max_prompt_length": 64, "max_completion_length": wl["max_tokens"]},
         "batch": {"per_device_train_batch_size": wl["per_device"], "gradient_accumulation_steps": wl["ga"],
@@ -482,6 +483,7 @@ def main():
         print(text)
         return
     wl = workload(WORKLOADS, a.workload, a.set)
+    a.dir = str(Path(a.dir) / a.workload)  # one model per workload, built once per machine
     paths = prepare(Path(a.dir), wl)
     if a.candidate in TANDEM:
         k, mode, vllm = TANDEM[a.candidate]

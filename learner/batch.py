@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from tandem.core.protocol import RolloutGroup
+from tandem.learner.attention import cu_seq_lens
 
 
 @dataclass
@@ -96,7 +97,8 @@ def _packed(s: Samples, rows: list, T: int, advantages: torch.Tensor, *, pad_id:
         gather[b, :c] = start + p - 1 + torch.arange(c)  # position t predicts token t + 1
         gather[b, c:] = start  # padding: any position of the row (masked)
         start += p + c
-    return {"input_ids": ids, "position_ids": pos, "gather": gather,
+    return {"input_ids": ids, "position_ids": pos, "gather": gather, "cu_seq_lens": cu_seq_lens(map(len, seqs)),
+            "max_length": max(map(len, seqs)),
             **_completion_tensors(s, rows, T, pad_id, mask_truncated), "advantages": advantages[rows].float()}
 
 

@@ -20,8 +20,10 @@ _G = GRPOConfig()  # the spec's defaults, from the job schema (tandem.core): one
 def _hidden(model, batch):
     """-> (hidden [B, T, H] predicting each completion token, lm_head module)."""
     decoder, head = decoder_and_head(model)
-    if "gather" in batch:  # padding-free: one packed row, no attention mask (transformers masks per sequence)
-        out = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    if "gather" in batch:  # padding-free: one packed row, attention within each sequence (learner/attention.py)
+        cu, n = batch["cu_seq_lens"], batch["max_length"]
+        out = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
+                      cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=n, max_length_k=n)
         return out.last_hidden_state[0][batch["gather"]], head
     T = batch["completion_ids"].shape[1]
     out = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],

@@ -14,7 +14,7 @@ def load_policy(cfg):
     from transformers import AutoModelForCausalLM
 
     m = cfg.model
-    model = AutoModelForCausalLM.from_pretrained(m.local_dir(), dtype=getattr(torch, m.dtype))
+    model = AutoModelForCausalLM.from_pretrained(m.local_dir(), dtype=getattr(torch, m.dtype), **_attention(cfg))
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -37,6 +37,15 @@ def load_policy(cfg):
         if cfg.cluster.zero_stage != 3:  # ZeRO-3 gathers lora_A/lora_B in their own forward hooks
             fuse_lora_linears(model)
     return model
+
+
+def _attention(cfg) -> dict:
+    """padding_free: the packed rows' variable-length attention (learner/attention.py); else transformers' choice."""
+    if not cfg.model.padding_free:
+        return {}
+    from tandem.learner.attention import register
+
+    return {"attn_implementation": register()}
 
 
 def fuse_lora_linears(model) -> int:
@@ -73,7 +82,8 @@ def load_frozen_reference(cfg):
     with the adapter disabled: see reference_context.)"""
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(cfg.model.local_dir(), dtype=getattr(torch, cfg.model.dtype))
+    ref = AutoModelForCausalLM.from_pretrained(cfg.model.local_dir(), dtype=getattr(torch, cfg.model.dtype),
+                                               **_attention(cfg))
     ref.requires_grad_(False)
     ref.eval()
     return ref

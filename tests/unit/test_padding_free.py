@@ -1,6 +1,7 @@
 """model.padding_free on plain tensors and a real tiny model: the packed micro-batch holds the same tokens, each
 completion token is predicted from its own sequence's position, and the log-probs equal the padded batch's."""
 
+import pytest
 import torch
 
 from tandem.learner.batch import Samples, collate
@@ -43,3 +44,42 @@ def test_packed_log_probs_equal_the_padded_ones_and_need_the_restarting_position
         # one sequence after another, positions running on: attention crosses sequences and the numbers move
         run_on = {**packed, "position_ids": torch.arange(packed["input_ids"].shape[1])[None]}
         assert not torch.allclose(completion_logprobs(model, run_on, 1.0)[0][m], want[m], atol=1e-3)
+
+
+def test_the_varlen_attention_keeps_each_packed_sequence_to_itself(tiny_model):
+    """model.padding_free loads the model with learner/attention.py's attention: per sequence by cu_seq_lens, no mask
+    over the row. Packed log-probs equal the padded ones (transformers' own SDPA); with the offsets of one sequence
+    (the packed row seen as one) they move, so the offsets are what keeps sequences apart."""
+    from transformers import AutoModelForCausalLM
+
+    from tandem.learner.attention import cu_seq_lens, register
+    from tandem.learner.logprobs import completion_logprobs
+
+    sdpa = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    varlen = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation=register()).eval()
+    assert varlen.config._attn_implementation == "tandem_varlen"
+    s, (padded, packed) = batches()
+    lengths = torch.tensor([len(c) for c in s.completions])
+    m = torch.arange(padded["completion_ids"].shape[1])[None] < lengths[:, None]
+    with torch.no_grad():
+        want = completion_logprobs(sdpa, padded, 1.0)[0]
+        torch.testing.assert_close(completion_logprobs(varlen, packed, 1.0)[0][m], want[m], rtol=1e-5, atol=1e-5)
+        L = packed["input_ids"].shape[1]
+        one = {**packed, "cu_seq_lens": cu_seq_lens([L]), "max_length": L}
+        assert not torch.allclose(completion_logprobs(varlen, one, 1.0)[0][m], want[m], atol=1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's varlen_attn is CUDA's (the GPU machine runs this)")
+def test_the_flash_varlen_kernel_matches_per_sequence_sdpa_with_grouped_heads():
+    from tandem.learner.attention import _flash_varlen, _per_sequence_sdpa, cu_seq_lens
+
+    torch.manual_seed(0)
+    cu = cu_seq_lens([5, 300, 1, 77])
+    q = torch.randn(383, 12, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(383, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    got, want = _flash_varlen(q, k, v, cu, 300, 128 ** -0.5), _per_sequence_sdpa(q, k, v, cu, 128 ** -0.5)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    g1 = torch.autograd.grad(got.float().square().sum(), (q, k, v))
+    g2 = torch.autograd.grad(want.float().square().sum(), (q, k, v))
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
