@@ -34,6 +34,7 @@ from tandem.learner.model import (
     copy_to_cpu,
     load_frozen_reference,
     load_policy,
+    packs_sequences,
     reference_context,
     trainable_state_dict,
 )
@@ -123,6 +124,7 @@ class Learner:
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
         torch.manual_seed(cfg.seed)
         model = load_policy(cfg)
+        self.packed = packs_sequences(model)  # model.padding_free, where the model takes the packed attention
         params = [p for p in model.parameters() if p.requires_grad]
         o = cfg.optimizer
         warm = o.warmup_steps or math.ceil(o.warmup_ratio * self._total_steps)
@@ -220,7 +222,7 @@ class Learner:
                                                 cfg.generation.max_completion_length)
         adv = compute_advantages(rewards, plan.num_generations, weights, g.scale_rewards)
         mk = dict(pad_id=self.pad_id, mask_truncated=g.mask_truncated_completions,
-                  padding_free=cfg.model.padding_free)
+                  padding_free=self.packed)
         S = plan.steps_per_generation
         mbs = [to_device(collate(s, plan.rows(k, self.rank), adv, **mk), self.device) for k in range(S)]
         self.engine.train()

@@ -4,6 +4,7 @@ fine-tuning), and the reference policy only when beta > 0."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
@@ -11,10 +12,8 @@ from tandem.kernels.lora_linear import lora_linear
 
 
 def load_policy(cfg):
-    from transformers import AutoModelForCausalLM
-
     m = cfg.model
-    model = AutoModelForCausalLM.from_pretrained(m.local_dir(), dtype=getattr(torch, m.dtype), **_attention(cfg))
+    model = _causal_lm(cfg)
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -39,13 +38,35 @@ def load_policy(cfg):
     return model
 
 
-def _attention(cfg) -> dict:
-    """padding_free: the packed rows' variable-length attention (learner/attention.py); else transformers' choice."""
-    if not cfg.model.padding_free:
-        return {}
-    from tandem.learner.attention import register
+def _causal_lm(cfg):
+    """The job's model in its dtype; with model.padding_free, attending through learner/attention.py when the
+    architecture takes it and keeps packed sequences apart with it (a probe), else padded, with a warning."""
+    from transformers import AutoModelForCausalLM
 
-    return {"attn_implementation": register()}
+    from tandem.learner.attention import keeps_sequences_apart, register
+
+    m = cfg.model
+    load = lambda **kw: AutoModelForCausalLM.from_pretrained(m.local_dir(), dtype=getattr(torch, m.dtype), **kw)
+    if not m.padding_free:
+        return load()
+    try:
+        model = load(attn_implementation=register())
+    except ValueError as e:  # transformers: this architecture does not take a registered attention function
+        warnings.warn(f"model.padding_free: {m.path} cannot attend through a packed row ({str(e).splitlines()[0]}); "
+                      "the learner pads its micro-batches", stacklevel=2)
+        return load()
+    if not keeps_sequences_apart(model):
+        warnings.warn(f"model.padding_free: {m.path}'s forward lets packed sequences attend to each other (it does "
+                      "not pass cu_seq_lens to its attention); the learner pads its micro-batches", stacklevel=2)
+        model.set_attn_implementation("sdpa")
+    return model
+
+
+def packs_sequences(model) -> bool:
+    """The learner packs micro-batches for this model (model.padding_free, and the model took the attention)."""
+    from tandem.learner.attention import NAME
+
+    return getattr(model.config, "_attn_implementation", None) == NAME
 
 
 def fuse_lora_linears(model) -> int:
@@ -80,10 +101,8 @@ def _fused_lora_forward(self, x, *args, **kwargs):
 def load_frozen_reference(cfg):
     """Full fine-tuning with beta > 0: a frozen copy. (With LoRA the reference is the same model
     with the adapter disabled: see reference_context.)"""
-    from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(cfg.model.local_dir(), dtype=getattr(torch, cfg.model.dtype),
-                                               **_attention(cfg))
+    ref = _causal_lm(cfg)
     ref.requires_grad_(False)
     ref.eval()
     return ref

@@ -65,9 +65,10 @@ class ModelConfig(_Section):
     fast_inference: bool = Field(True, description="True: vLLM samples; False: transformers generate")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
     padding_free: bool = Field(
-        False, description="the learner packs each micro-batch's sequences into one row (positions restarting per "
-        "sequence, attention kept within each) instead of padding them to the longest: the same loss and gradients "
-        "without computing padding (TRL SFT's name; verl's use_remove_padding)")
+        True, description="the learner packs each micro-batch's sequences into one row (positions restarting per "
+        "sequence, attention within each through a variable-length kernel) instead of padding them to the longest: "
+        "the same loss and gradients without computing padding (TRL SFT's name; verl's use_remove_padding); a model "
+        "whose forward cannot take it is padded, with a warning")
 
     def local_dir(self) -> str:
         """The model's directory on this node: `path`, or its Hub snapshot (tandem.core.hub.model_dir)."""

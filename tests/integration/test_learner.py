@@ -82,8 +82,9 @@ def test_padding_free_micro_batches_match_the_padded_whole_batch(tmp_path, tiny_
     assert step["learner/padding_frac"] == 0.0  # and none computed: padded, these micro-batches waste some
     if loss_type != "dapo":
         return
-    padded = started(Learner(job(tmp_path, tiny_model, per=2, ga=4, spg=4, loss_type=loss_type, zero=zero),
-                             port=free_port(), optimizer=sgd(LR))).train(groups)["steps"][0]
+    padded = started(Learner(job(tmp_path, tiny_model, per=2, ga=4, spg=4, loss_type=loss_type, zero=zero,
+                                 model={"padding_free": False}), port=free_port(), optimizer=sgd(LR))).train(groups)
+    padded = padded["steps"][0]
     assert padded["learner/padding_frac"] > 0.1
 
 
