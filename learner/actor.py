@@ -29,9 +29,12 @@ from tandem.learner.grpo import (
     with_overlong_column,
 )
 from tandem.learner.logprobs import completion_grpo_loss, completion_logprobs
+from tandem.learner.memory import auto_checkpointing
 from tandem.learner.metrics import accumulate, reduce_metrics, rollout_stats
 from tandem.learner.model import (
+    checkpointing,
     copy_to_cpu,
+    enable_checkpointing,
     load_frozen_reference,
     load_policy,
     packs_sequences,
@@ -141,6 +144,13 @@ class Learner:
         )
         refuse_pickles(self.engine)
         self.device = self.engine.device  # batches are collated on the host and moved here
+        if cfg.model.gradient_checkpointing == "auto" and self.device.type == "cuda":
+            from tandem.core.checks import language_model_config
+
+            if auto_checkpointing(cfg, language_model_config(cfg.model.local_dir()),
+                                  torch.cuda.mem_get_info(self.device)[1], torch.cuda.memory_allocated(self.device)):
+                enable_checkpointing(model)
+        self.checkpointing = checkpointing(model)
         self._n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: full sizes
         self._peak_flops = _peak_flops(self.device)
         self.ref = load_frozen_reference(cfg).to(self.device) if (cfg.grpo.beta > 0 and cfg.model.lora is None) else None
@@ -241,6 +251,7 @@ class Learner:
         batch_stats.update(self._throughput(tokens, train_s))
         computed = sum(int(mb["input_ids"].numel()) for mb in mbs) * plan.num_iterations
         batch_stats["learner/padding_frac"] = 1 - tokens / max(computed, 1)  # the forward's share spent on padding
+        batch_stats["learner/gradient_checkpointing"] = float(self.checkpointing)
         for sm in step_metrics:
             sm.update(batch_stats)
             sm["version"] = self.version

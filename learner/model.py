@@ -14,9 +14,6 @@ from tandem.kernels.lora_linear import lora_linear
 def load_policy(cfg):
     m = cfg.model
     model = _causal_lm(cfg)
-    if m.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
     if m.lora is not None:
         from peft import LoraConfig, get_peft_model
 
@@ -31,11 +28,25 @@ def load_policy(cfg):
             raise JobConfigError(f"model.lora.target_modules = {list(m.lora.target_modules)}: "
                                  f"{str(e).strip().splitlines()[0]}; allowed: names of {m.path}'s linear layers, "
                                  f"e.g. {names}") from None
-        if m.gradient_checkpointing:
-            model.enable_input_require_grads()
         if cfg.cluster.zero_stage != 3:  # ZeRO-3 gathers lora_A/lora_B in their own forward hooks
             fuse_lora_linears(model)
+    if m.gradient_checkpointing is True:  # "auto": the learner decides once the model is placed (learner/memory.py)
+        enable_checkpointing(model)
     return model
+
+
+def enable_checkpointing(model) -> None:
+    """Each decoder layer's activations recomputed in backward (non-reentrant), on a plain or peft model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base.config.use_cache = False
+    if base is not model:
+        model.enable_input_require_grads()
+
+
+def checkpointing(model) -> bool:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return bool(getattr(base, "is_gradient_checkpointing", False))
 
 
 def _causal_lm(cfg):
