@@ -42,8 +42,10 @@ WORKLOADS = {
                 prompts=1, num_generations=8, max_tokens=48, per_device=8, ga=1, steps=20, warmup=2, lr=1e-4),
 }
 # Issue 30's scale workloads, beside "gpu" (which stays): Qwen2.5-1.5B's shape with long-tailed completion lengths up
-# to 2,048 tokens (a warm-up teaches the stopping: `longtail`), and Qwen2.5-7B's shape up to 1,024 tokens; gradient
-# checkpointing on both sides (TRL's default); "cpu_longtail": the long-tail warm-up at a size this CPU runs.
+# to 2,048 tokens (a warm-up teaches the stopping: `longtail`), and Qwen2.5-7B's shape up to 1,024 tokens; TRL with
+# gradient checkpointing (its default), Tandem with model.gradient_checkpointing auto (its default: on where the
+# activations would not fit; `--set tandem_checkpointing=true` forces it, as session 16's runs had it);
+# "cpu_longtail": the long-tail warm-up at a size this CPU runs.
 _SCALE = dict(lora=dict(r=16, lora_alpha=32), prompts=16, num_generations=8, per_device=8, ga=16, warmup=2, lr=1e-5,
               gradient_checkpointing=True)
 # `longtail`: SFT on (prompt, random tokens, EOS): with probability long_frac the completion runs to the cap, else its
@@ -224,7 +226,7 @@ def tandem_config(paths, wl, k, args, mode="server", vllm=True):
     res = lambda g: {"num_cpus": 1, "num_gpus": g}
     return JobConfig.from_dict({
         "model": {"path": paths["model"], "dtype": wl["model"]["dtype"], "lora": wl["lora"],
-                  "fast_inference": vllm, "gradient_checkpointing": wl.get("gradient_checkpointing", False),
+                  "fast_inference": vllm, "gradient_checkpointing": wl.get("tandem_checkpointing", "auto"),
                   "padding_free": wl.get("padding_free", False)},
         "data": {"path": paths["data"]}, "rewards": [REWARD],
         "generation": {"temperature": 1.0, "max_prompt_length": 64, "max_completion_length": wl["max_tokens"]},
