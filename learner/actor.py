@@ -144,6 +144,10 @@ class Learner:
         )
         refuse_pickles(self.engine)
         self.device = self.engine.device  # batches are collated on the host and moved here
+        self._n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: full sizes
+        self._peak_flops = _peak_flops(self.device)
+        self.ref = load_frozen_reference(cfg).to(self.device) if (cfg.grpo.beta > 0 and cfg.model.lora is None) else None
+        # after everything this rank holds is placed (a frozen reference included)
         if cfg.model.gradient_checkpointing == "auto" and self.device.type == "cuda":
             from tandem.core.checks import language_model_config
 
@@ -151,9 +155,6 @@ class Learner:
                                   torch.cuda.mem_get_info(self.device)[1], torch.cuda.memory_allocated(self.device)):
                 enable_checkpointing(model)
         self.checkpointing = checkpointing(model)
-        self._n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: full sizes
-        self._peak_flops = _peak_flops(self.device)
-        self.ref = load_frozen_reference(cfg).to(self.device) if (cfg.grpo.beta > 0 and cfg.model.lora is None) else None
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(cfg.model.local_dir())
