@@ -227,7 +227,7 @@ def tandem_config(paths, wl, k, args, mode="server", vllm=True):
     return JobConfig.from_dict({
         "model": {"path": paths["model"], "dtype": wl["model"]["dtype"], "lora": wl["lora"],
                   "fast_inference": vllm, "gradient_checkpointing": wl.get("tandem_checkpointing", "auto"),
-                  "padding_free": wl.get("padding_free", False)},
+                  **({"padding_free": wl["padding_free"]} if "padding_free" in wl else {})},  # else Tandem's default
         "data": {"path": paths["data"]}, "rewards": [REWARD],
         "generation": {"temperature": 1.0, "max_prompt_length": 64, "max_completion_length": wl["max_tokens"]},
         "batch": {"per_device_train_batch_size": wl["per_device"], "gradient_accumulation_steps": wl["ga"],

@@ -13,6 +13,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from tandem.learner.model import decoder_and_head
+
 NAME = "tandem_varlen"
 
 
@@ -38,7 +40,7 @@ def keeps_sequences_apart(model, rtol: float = 5e-2) -> bool:
     """A probe of a causal LM loaded with NAME: two short sequences packed into one row give the hidden states
     each gives alone. False where the model's forward drops the cu_seq_lens keywords (its attention would then run
     across the whole row)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    decoder = decoder_and_head(model)[0]
     seqs = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
     dev = next(decoder.parameters()).device
     ids, pos = torch.cat(seqs)[None].to(dev), torch.cat([torch.arange(len(x)) for x in seqs])[None].to(dev)

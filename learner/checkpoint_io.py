@@ -15,6 +15,7 @@ import torch
 
 from tandem.core.adapter import ADAPTER_DIR, write_peft_adapter
 from tandem.core.hub import is_hub_id
+from tandem.learner.model import base_model
 from tandem.learner.safe_load import CheckpointRefused, CheckpointWriteError
 
 
@@ -62,7 +63,7 @@ def save_artifact(learner, directory: Path) -> None:
     from transformers import AutoTokenizer
 
     model = learner.model
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     base.save_pretrained(directory / "model", state_dict=sd, safe_serialization=True)
     AutoTokenizer.from_pretrained(cfg.model.local_dir()).save_pretrained(directory / "model")
 

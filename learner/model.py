@@ -35,9 +35,14 @@ def load_policy(cfg):
     return model
 
 
+def base_model(model):
+    """The transformers model under a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def enable_checkpointing(model) -> None:
     """Each decoder layer's activations recomputed in backward (non-reentrant), on a plain or peft model."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base.config.use_cache = False
     if base is not model:
@@ -45,7 +50,7 @@ def enable_checkpointing(model) -> None:
 
 
 def checkpointing(model) -> bool:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     return bool(getattr(base, "is_gradient_checkpointing", False))
 
 
@@ -128,7 +133,7 @@ def reference_context(model):
 
 def decoder_and_head(model):
     """(decoder returning hidden states, lm_head module) of a (peft-wrapped) causal LM."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     return base.model, base.lm_head
 
 
