@@ -10,6 +10,13 @@ x 256 tokens on GPU), in this process (no Ray), three ways side by side:
 Then a torch.profiler trace of one `train` call: where the learner's GPU time goes.
 
   python3 bench/learner.py --workload gpu|cpu [--reps 4] [--dir WORK] [--no-profile]
+
+Issue 30's scale workloads (`--workload 1.5b_longtail|7b|cpu_longtail`) compare learner layouts instead: each
+`--layouts` entry PER_DEVICE:GA:CHECKPOINTING (on|off) is a learner of its own on the same generation batch, whose
+completion lengths are long-tailed as the workload's warm-up teaches (geometric with median cap / median_div, a
+long_frac share at the cap; no warm-up needed here), the profile taken on the last layout.
+
+  python3 bench/learner.py --workload 1.5b_longtail --layouts 8:16:on,8:16:off,32:4:off [--reps 2]
 """
 
 from __future__ import annotations
@@ -43,18 +50,119 @@ def generation_batch(n: int, wl, vocab: int, seed: int = 0):
     return out
 
 
+def long_tail_batch(n: int, wl, vocab: int, seed: int = 0):
+    """Groups whose completion lengths follow the workload's long tail (issue 30): the warm-up's distribution."""
+    import numpy as np
+
+    from tandem.core.protocol import RolloutGroup, pack_completions
+
+    rng = np.random.default_rng(seed)
+    G, cap, lt = wl["num_generations"], wl["max_tokens"], wl["longtail"]
+    p = 1 - 0.5 ** (1 / max(cap / lt.get("median_div", 7), 1))
+    out = []
+    for i in range(n):
+        lens = [cap if rng.random() < lt["long_frac"] else min(int(rng.geometric(p)), cap) for _ in range(G)]
+        t, off = pack_completions([rng.integers(3, vocab, size=n_).astype(np.int32) for n_ in lens])
+        out.append(RolloutGroup(
+            group_id=i, index=i, prompt_ids=rng.integers(3, vocab, size=40).astype(np.int32), tokens=t, offsets=off,
+            sampler_logprobs=(np.log(1 / vocab) + 0.3 * rng.standard_normal(len(t))).astype(np.float32),
+            eos=np.asarray([n_ < cap for n_ in lens]), rewards=rng.random((G, 1)).astype(np.float32), version=0))
+    return out
+
+
+def layouts(a, wl):
+    """Issue 30: the learner's layouts side by side on one long-tailed generation batch."""
+    import gc
+
+    import torch
+
+    from tandem.learner.actor import Learner
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    paths = e2e.prepare(Path(a.dir), {k: v for k, v in wl.items() if k != "longtail"})  # lengths made here
+    rows, lr = [], None
+    for spec in a.layouts.split(","):
+        pd, ga, ck = spec.split(":")
+        w = {**wl, "per_device": int(pd), "ga": int(ga), "tandem_checkpointing": {"on": True, "off": False}[ck]}
+        args = argparse.Namespace(workload=a.workload, rollout_gpus=0.0, learner_gpus=1.0, vllm_memory=0.3,
+                                  dir=a.dir)
+        lr = Learner(e2e.tandem_config(paths, w, 0, args), total_steps=1000)
+        lr.setup()
+        groups = long_tail_batch(lr.plan.unique_prompts, wl, wl["model"]["vocab"])
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for rep in range(a.reps + 1):  # the first warms up
+            sync()
+            t = time.perf_counter()
+            out = lr.train(groups)
+            sync()
+            if rep:
+                times.append(time.perf_counter() - t)
+        st = out["steps"][0]
+        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+        rows.append((spec, statistics.median(times), st["learner/tokens_per_s"], st.get("learner/mfu"),
+                     st["learner/padding_frac"], peak))
+        print(f"{spec}: {rows[-1]}", flush=True)
+        if spec != a.layouts.split(",")[-1]:
+            del lr, out
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    lens = [len(g.completion(k)) for g in groups for k in range(g.num_generations)]
+    import numpy as np
+
+    print(f"\nlearner.train on {len(groups)} groups x {wl['num_generations']} completions, lengths p50 "
+          f"{np.percentile(lens, 50):.0f} p95 {np.percentile(lens, 95):.0f} max {max(lens)} of {wl['max_tokens']} "
+          f"({sum(x == wl['max_tokens'] for x in lens)} at the cap), {sum(lens)} completion tokens, "
+          f"{wl['model']['dtype']}, {a.reps} reps, median s:")
+    print("| per_device:GA:checkpointing | s per train | × first | learner tokens/s | learner/mfu | padding | "
+          "peak GiB |\n| --- | --: | --: | --: | --: | --: | --: |")
+    for spec, t, tps, mfu, pad, peak in rows:
+        print(f"| {spec} | {t:.3f} | {rows[0][1] / t:.2f} | {tps:,.0f} | "
+              f"{'-' if mfu is None else f'{mfu:.3f}'} | {pad:.2f} | {peak:.1f} |")
+    return lr, groups
+
+
+def profiled(lr, groups, sync):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        t = time.perf_counter()
+        lr.train(groups)
+        sync()
+        wall = time.perf_counter() - t
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    ev = prof.key_averages()
+    if torch.cuda.is_available():
+        from torch.autograd import DeviceType
+
+        busy = sum(e.self_device_time_total for e in ev if e.device_type == DeviceType.CUDA) / 1e6  # kernels only
+        print(f"\nprofiled train: wall {wall:.3f} s, kernels {busy:.3f} s ({busy / wall:.0%} of the wall time)")
+    print(ev.table(sort_by=key, row_limit=25, max_name_column_width=70))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="gpu", choices=list(e2e.WORKLOADS))
     ap.add_argument("--dir", default="/tmp/tandem-e2e")
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--layouts", default="8:16:on,8:16:off,32:4:off,32:4:on")
     a = ap.parse_args()
     import torch
 
+    wl = e2e.WORKLOADS[a.workload]
+    if wl.get("longtail") or a.workload == "7b":
+        lr, groups = layouts(a, wl)
+        if not a.no_profile:
+            profiled(lr, groups, torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None))
+        return
+
     from tandem.learner.actor import Learner
 
-    wl = e2e.WORKLOADS[a.workload]
     paths = e2e.prepare(Path(a.dir), wl)
     args = argparse.Namespace(workload=a.workload, rollout_gpus=0.0, learner_gpus=1.0, vllm_memory=0.3, dir=a.dir)
     cfg = e2e.tandem_config(paths, wl, 0, args)
@@ -96,24 +204,8 @@ def main():
     print(f"| path | s per train | × {first} | tokens/s |\n| --- | --- | --- | --- |")
     for k, v in med.items():
         print(f"| {k} | {v:.3f} | {v / med[first]:.2f} | {tokens / v:.0f} |")
-    if a.no_profile:
-        return
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
-        t = time.perf_counter()
-        lr.train(groups)
-        sync()
-        wall = time.perf_counter() - t
-    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    ev = prof.key_averages()
-    if torch.cuda.is_available():
-        from torch.autograd import DeviceType
-
-        busy = sum(e.self_device_time_total for e in ev if e.device_type == DeviceType.CUDA) / 1e6  # kernels only
-        print(f"\nprofiled train: wall {wall:.3f} s, kernels {busy:.3f} s ({busy / wall:.0%} of the wall time)")
-    print(ev.table(sort_by=key, row_limit=25, max_name_column_width=70))
+    if not a.no_profile:
+        profiled(lr, groups, sync)
 
 
 if __name__ == "__main__":

@@ -86,13 +86,16 @@ def _per_sequence_sdpa(q, k, v, cu, scaling, sliding_window=None):
     """Causal attention per sequence; a sliding window lets query i see keys i - window < j <= i (transformers')."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    bounds, parts = cu.tolist(), []
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        i = torch.arange(b - a, device=q.device)
+    lengths = torch.diff(cu).tolist()
+    parts = []
+    # split, not slices: a slice's backward writes its gradient into zeros the size of the whole row (one
+    # per sequence), split's concatenates once
+    for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
+        i = torch.arange(len(qs), device=q.device)
         d = i[:, None] - i[None, :]
         mask = dict(is_causal=True) if sliding_window is None else dict(attn_mask=(d >= 0) & (d < sliding_window))
-        parts.append(F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
-                                                    v[a:b].transpose(0, 1), scale=scaling, **mask).transpose(0, 1))
+        parts.append(F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
+                                                    scale=scaling, **mask).transpose(0, 1))
     return torch.cat(parts)
 
 
