@@ -227,7 +227,8 @@ def tandem_config(paths, wl, k, args, mode="server", vllm=True):
     return JobConfig.from_dict({
         "model": {"path": paths["model"], "dtype": wl["model"]["dtype"], "lora": wl["lora"],
                   "fast_inference": vllm, "gradient_checkpointing": wl.get("tandem_checkpointing", "auto"),
-                  **({"padding_free": wl["padding_free"]} if "padding_free" in wl else {})},  # else Tandem's default
+                  **{k: wl[k] for k in ("padding_free", "max_tokens_per_forward", "use_liger_kernel")
+                     if k in wl}},  # else Tandem's defaults
         "data": {"path": paths["data"]}, "rewards": [REWARD],
         "generation": {"temperature": 1.0, "max_prompt_length": 64, "max_completion_length": wl["max_tokens"]},
         "batch": {"per_device_train_batch_size": wl["per_device"], "gradient_accumulation_steps": wl["ga"],

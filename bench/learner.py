@@ -12,11 +12,12 @@ Then a torch.profiler trace of one `train` call: where the learner's GPU time go
   python3 bench/learner.py --workload gpu|cpu [--reps 4] [--dir WORK] [--no-profile]
 
 Issue 30's scale workloads (`--workload 1.5b_longtail|7b|cpu_longtail`) compare learner layouts instead: each
-`--layouts` entry PER_DEVICE:GA:CHECKPOINTING (on|off) is a learner of its own on the same generation batch, whose
+`--layouts` entry PER_DEVICE:GA:CHECKPOINTING[:TOKENS[:LIGER]] (checkpointing and liger on|off|auto; tokens: plan
+= one forward per micro-batch, auto, or model.max_tokens_per_forward's number) is a learner of its own on the same generation batch, whose
 completion lengths are long-tailed as the workload's warm-up teaches (geometric with median cap / median_div, a
 long_frac share at the cap; no warm-up needed here), the profile taken on the last layout.
 
-  python3 bench/learner.py --workload 1.5b_longtail --layouts 8:16:on,8:16:off,32:4:off [--reps 2]
+  python3 bench/learner.py --workload 1.5b_longtail --layouts 8:16:on,8:16:off,8:16:auto:auto:auto [--reps 2]
 """
 
 from __future__ import annotations
@@ -82,8 +83,13 @@ def layouts(a, wl):
     paths = e2e.prepare(Path(a.dir), {k: v for k, v in wl.items() if k != "longtail"})  # lengths made here
     rows, lr = [], None
     for spec in a.layouts.split(","):
-        pd, ga, ck = spec.split(":")
-        w = {**wl, "per_device": int(pd), "ga": int(ga), "tandem_checkpointing": {"on": True, "off": False}[ck]}
+        parts = spec.split(":")
+        pd, ga, ck, tokens, liger = parts + ["", "", "", "plan", "off"][len(parts):]
+        w = {**wl, "per_device": int(pd), "ga": int(ga),
+             "tandem_checkpointing": {"on": True, "off": False, "auto": "auto"}[ck],
+             "max_tokens_per_forward": {"plan": None, "auto": "auto"}[tokens] if tokens in ("plan", "auto")
+             else int(tokens),
+             "use_liger_kernel": {"on": True, "off": False, "auto": "auto"}[liger]}
         args = argparse.Namespace(workload=a.workload, rollout_gpus=0.0, learner_gpus=1.0, vllm_memory=0.3,
                                   dir=a.dir)
         lr = Learner(e2e.tandem_config(paths, w, 0, args), total_steps=1000)
@@ -102,7 +108,8 @@ def layouts(a, wl):
         st = out["steps"][0]
         peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
         rows.append((spec, statistics.median(times), st["learner/tokens_per_s"], st.get("learner/mfu"),
-                     st["learner/padding_frac"], peak))
+                     st["learner/padding_frac"], peak, st["learner/forwards_per_step"], lr.token_budget,
+                     st["learner/gradient_checkpointing"]))
         print(f"{spec}: {rows[-1]}", flush=True)
         if spec != a.layouts.split(",")[-1]:
             del lr, out
@@ -116,11 +123,12 @@ def layouts(a, wl):
           f"{np.percentile(lens, 50):.0f} p95 {np.percentile(lens, 95):.0f} max {max(lens)} of {wl['max_tokens']} "
           f"({sum(x == wl['max_tokens'] for x in lens)} at the cap), {sum(lens)} completion tokens, "
           f"{wl['model']['dtype']}, {a.reps} reps, median s:")
-    print("| per_device:GA:checkpointing | s per train | × first | learner tokens/s | learner/mfu | padding | "
-          "peak GiB |\n| --- | --: | --: | --: | --: | --: | --: |")
-    for spec, t, tps, mfu, pad, peak in rows:
-        print(f"| {spec} | {t:.3f} | {rows[0][1] / t:.2f} | {tps:,.0f} | "
-              f"{'-' if mfu is None else f'{mfu:.3f}'} | {pad:.2f} | {peak:.1f} |")
+    print("| per_device:GA:checkpointing:tokens:liger | tokens per forward | forwards | checkpointing | s per train | "
+          "× first | learner tokens/s | learner/mfu | padding | peak GiB |\n"
+          "| --- | --: | --: | --: | --: | --: | --: | --: | --: | --: |")
+    for spec, t, tps, mfu, pad, peak, fw, budget, ck in rows:
+        print(f"| {spec} | {budget or 'plan'} | {fw:g} | {'on' if ck else 'off'} | {t:.3f} | {rows[0][1] / t:.2f} | "
+              f"{tps:,.0f} | {'-' if mfu is None else f'{mfu:.3f}'} | {pad:.2f} | {peak:.1f} |")
     return lr, groups
 
 
@@ -150,7 +158,7 @@ def main():
     ap.add_argument("--dir", default="/tmp/tandem-e2e")
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--no-profile", action="store_true")
-    ap.add_argument("--layouts", default="8:16:on,8:16:off,32:4:off,32:4:on")
+    ap.add_argument("--layouts", default="8:16:on,8:16:off,8:16:auto:auto:off,8:16:auto:auto:auto")
     a = ap.parse_args()
     import torch
 

@@ -18,18 +18,18 @@ from tandem.core.checks import check_learner_device, check_shared_dir
 from tandem.core.compat import before_deepspeed_init, set_distributed_env
 from tandem.core.plan import BatchPlan
 from tandem.learner import checkpoint_io
-from tandem.learner.batch import Samples, collate, real_tokens, to_device
+from tandem.learner.batch import Samples, collate, loss_mask, real_tokens, to_device
+from tandem.learner.forwards import plan_weights, token_budget_bins
 from tandem.learner.grpo import (
     LossInputs,
     compute_advantages,
     grpo_loss,
     grpo_metrics,
     tis_weight,
-    token_weights,
     with_overlong_column,
 )
 from tandem.learner.logprobs import completion_grpo_loss, completion_logprobs
-from tandem.learner.memory import auto_checkpointing
+from tandem.learner.memory import forward_layout
 from tandem.learner.metrics import accumulate, reduce_metrics, rollout_stats
 from tandem.learner.model import (
     checkpointing,
@@ -40,6 +40,7 @@ from tandem.learner.model import (
     packs_sequences,
     reference_context,
     trainable_state_dict,
+    uses_liger,
 )
 from tandem.learner.safe_load import refuse_pickles
 
@@ -148,13 +149,16 @@ class Learner:
         self._peak_flops = _peak_flops(self.device)
         self.ref = load_frozen_reference(cfg).to(self.device) if (cfg.grpo.beta > 0 and cfg.model.lora is None) else None
         # after everything this rank holds is placed (a frozen reference included)
-        if cfg.model.gradient_checkpointing == "auto" and self.device.type == "cuda":
-            from tandem.core.checks import language_model_config
+        from tandem.core.checks import language_model_config
 
-            if auto_checkpointing(cfg, language_model_config(cfg.model.local_dir()),
-                                  torch.cuda.mem_get_info(self.device)[1], torch.cuda.memory_allocated(self.device)):
-                enable_checkpointing(model)
+        cuda = self.device.type == "cuda"
+        self.token_budget, ck = forward_layout(
+            cfg, language_model_config(cfg.model.local_dir()) if cuda else None, self.packed,
+            (torch.cuda.mem_get_info(self.device)[1], torch.cuda.memory_allocated(self.device)) if cuda else None)
+        if ck and cfg.model.gradient_checkpointing == "auto":
+            enable_checkpointing(model)
         self.checkpointing = checkpointing(model)
+        self.liger = uses_liger(model)
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(cfg.model.local_dir())
@@ -205,22 +209,21 @@ class Learner:
         return LossInputs(logp=logp, old_logp=old, advantages=mb["advantages"], mask=mb["mask"], ref_logp=ref,
                           sampler_logp=mb["sampler_logp"] if self.tis else None, entropy=ent)
 
-    def _fused_loss(self, mb, old, ref, n_active):
-        """aggregate_loss(per_token_loss(...)) of the micro-batch, from hidden states in one pass."""
+    def _fused_loss(self, mb, old, ref):
+        """The forward's weighted GRPO loss (its "weights": learner/forwards.py) from hidden states in one pass."""
         g = self.cfg.grpo
-        w = token_weights(mb["mask"], g.loss_type, max_completion_length=self.cfg.generation.max_completion_length,
-                          num_active_tokens=n_active)
         tis_of = (lambda lp: tis_weight(lp, mb["sampler_logp"], mb["mask"], g.vllm_importance_sampling_cap,
                                         g.vllm_importance_sampling_mode, g.vllm_importance_sampling_clip_min))
         tis = tis_of(old) if self.tis and old is not None else None
-        return completion_grpo_loss(self.model, mb, self.cfg.generation.temperature, w, old_logp=old, ref_logp=ref,
-                                    tis=tis, tis_from=tis_of if self.tis and old is None else None,
+        return completion_grpo_loss(self.model, mb, self.cfg.generation.temperature, mb["weights"], old_logp=old,
+                                    ref_logp=ref, tis=tis, tis_from=tis_of if self.tis and old is None else None,
                                     epsilon=g.epsilon, epsilon_high=g.epsilon_high, delta=g.delta, beta=g.beta)
 
     # ------------------------------------------------------------------------------- train
 
     def train(self, groups) -> dict:
-        """One generation cycle: advantages, old/ref log-probs, the plan's micro-steps, one version up."""
+        """One generation cycle: advantages, each optimizer step's forwards, old/ref log-probs, the steps, one version
+        up."""
         t0 = time.time()
         cfg, plan, g = self.cfg, self.plan, self.cfg.grpo
         groups = _resolve(groups)
@@ -232,61 +235,85 @@ class Learner:
         rewards, weights = with_overlong_column(torch.from_numpy(s.rewards), lengths, cfg.column_weights(), g,
                                                 cfg.generation.max_completion_length)
         adv = compute_advantages(rewards, plan.num_generations, weights, g.scale_rewards)
-        mk = dict(pad_id=self.pad_id, mask_truncated=g.mask_truncated_completions,
-                  padding_free=self.packed)
-        S = plan.steps_per_generation
-        mbs = [to_device(collate(s, plan.rows(k, self.rank), adv, **mk), self.device) for k in range(S)]
+        steps = plan.optimizer_steps()
+        forwards = {}  # one optimizer step's plan micro-batches (k within the cycle) -> the forwards it runs
+        for opt_step in steps:
+            key = tuple(m.index % plan.steps_per_generation for m in opt_step)
+            if key not in forwards:
+                forwards[key] = [to_device(f, self.device) for f in self._forwards(s, adv, key)]
         self.engine.train()
         with torch.no_grad():
-            old = [self._logp(mb)[0] for mb in mbs] if self.needs_old() else None
-            ref = [self._logp(mb, reference=True) for mb in mbs] if g.beta > 0 else None
-        step_metrics = []
-        for opt_step in plan.optimizer_steps():
-            # dapo: active tokens of this optimizer step over every rank (each rank knows all rows)
-            n_active = sum(s.loss_mask_counts(r, g.mask_truncated_completions) for m in opt_step for r in m.rows)
-            step_metrics.append(self._optimizer_step(opt_step, mbs, old, ref, n_active))
+            old = {k: [self._logp(f)[0] for f in fs] for k, fs in forwards.items()} if self.needs_old() else None
+            ref = {k: [self._logp(f, reference=True) for f in fs] for k, fs in forwards.items()} if g.beta > 0 else None
+        step_metrics, tokens, computed = [], 0, 0
+        for opt_step in steps:
+            key = tuple(m.index % plan.steps_per_generation for m in opt_step)
+            fs = forwards[key]
+            step_metrics.append(self._optimizer_step(fs, None if old is None else old[key], None if ref is None else ref[key]))
+            tokens += sum(real_tokens(f) for f in fs)  # this rank's
+            computed += sum(int(f["input_ids"].numel()) for f in fs)
         self.version += 1
         batch_stats = rollout_stats(s, plan.num_generations, weights, self.version - 1, rewards.numpy())
         train_s = time.time() - t0
-        tokens = sum(real_tokens(mb) for mb in mbs) * plan.num_iterations  # this rank's
         batch_stats.update(self._throughput(tokens, train_s))
-        computed = sum(int(mb["input_ids"].numel()) for mb in mbs) * plan.num_iterations
+        batch_stats["learner/forwards_per_step"] = sum(map(len, forwards.values())) / len(forwards)
         batch_stats["learner/padding_frac"] = 1 - tokens / max(computed, 1)  # the forward's share spent on padding
         batch_stats["learner/gradient_checkpointing"] = float(self.checkpointing)
+        batch_stats["learner/liger_kernel"] = float(self.liger)
         for sm in step_metrics:
             sm.update(batch_stats)
             sm["version"] = self.version
             sm["train_s"] = train_s
         return {"version": self.version, "steps": step_metrics}
 
-    def _optimizer_step(self, opt_step, mbs: list, old, ref, n_active: int) -> dict:
-        """The micro-steps of one optimizer step (the plan's), then the step. -> its metrics."""
+    def _forwards(self, s: Samples, adv: torch.Tensor, key: tuple) -> list[dict]:
+        """One optimizer step's forwards on this rank (plan micro-batches `key`), collated on the host, each with its
+        rows' loss weights as their plan micro-batch gives them: the plan's micro-batches, or with a token budget
+        their sequences regrouped (every rank running as many forwards)."""
+        g, plan, mt = self.cfg.grpo, self.plan, self.cfg.grpo.mask_truncated_completions
+        # dapo: active tokens of this optimizer step over every rank (each rank knows all rows)
+        n_active = sum(s.loss_mask_counts(plan.rows(k, r), mt) for k in key for r in range(self.world))
+        micro = [list(plan.rows(k, self.rank)) for k in key]
+        w = plan_weights([loss_mask(s, rows, mt) for rows in micro], [[len(s.completions[i]) for i in rows]
+                                                                      for rows in micro], g.loss_type,
+                         max_completion_length=self.cfg.generation.max_completion_length, num_active_tokens=n_active)
+        weight = {i: x for rows, ws in zip(micro, w) for i, x in zip(rows, ws)}
+        if self.token_budget is not None:
+            n = lambda i: len(s.prompts[i]) + len(s.completions[i])
+            micro = token_budget_bins([[(i, n(i)) for k in key for i in plan.rows(k, r)] for r in range(self.world)],
+                                      self.token_budget)[self.rank]
+        return [collate(s, rows, adv, pad_id=self.pad_id, mask_truncated=mt, padding_free=self.packed,
+                        weights=[weight[i] for i in rows]) for rows in micro]
+
+    def _optimizer_step(self, forwards: list, old, ref) -> dict:
+        """The forwards of one optimizer step, then the step. -> its metrics."""
         cfg, g = self.cfg, self.cfg.grpo
-        GA, W, S = self.plan.gradient_accumulation_steps, self.world, self.plan.steps_per_generation
+        GA, W = self.plan.gradient_accumulation_steps, self.world
         acc: dict[str, float] = {}
         loss_sum = 0.0
-        for m in opt_step:
-            k = m.index % S
-            mb = mbs[k]
+        for k, mb in enumerate(forwards):
             ref_k = ref[k] if ref is not None else None
+            old_k = old[k] if old is not None else None
             self._begin_micro_step()
+            # the learner owns the boundary: a token budget runs as many forwards as it needs, not GA
+            self.engine.set_gradient_accumulation_boundary(k == len(forwards) - 1)
             # fused: loss and its gradient in one pass (the off-policy mask needs the policy's log-probs
             # before the loss, so it takes the two-pass path)
             if g.importance_sampling_level == "token" and g.off_policy_mask_threshold is None:
-                loss, logp, ent = self._fused_loss(mb, old[k] if old is not None else None, ref_k, n_active)
-                x = self._inputs(mb, logp, old[k] if old is not None else logp, ref_k, ent)
+                loss, logp, ent = self._fused_loss(mb, old_k, ref_k)
+                x = self._inputs(mb, logp, old_k if old_k is not None else logp, ref_k, ent)
             else:
                 logp, ent = self._logp(mb, with_entropy=True)
-                x = self._inputs(mb, logp, old[k] if old is not None else logp.detach(), ref_k, ent)
+                x = self._inputs(mb, logp, old_k if old_k is not None else logp.detach(), ref_k, ent)
                 loss = grpo_loss(x, g, tis=self.tis, max_completion_length=cfg.generation.max_completion_length,
-                                 num_active_tokens=n_active)
-            # Contribution of this micro-batch to the step's objective (docs/grpo.md §4.8), then undo
+                                 token_weight=mb["weights"])
+            # Contribution of this forward to the step's objective (docs/grpo.md §4.8), then undo
             # DeepSpeed's 1/GA and 1/world averaging so the gradient is exactly that sum.
             if g.loss_type != "dapo":
                 loss = loss / (GA * W)
             if not torch.isfinite(loss):
-                raise FloatingPointError(f"Learner.train: non-finite loss {float(loss.detach())} at micro-step {m.index}; "
-                                         "weights not updated")
+                raise FloatingPointError(f"Learner.train: non-finite loss {float(loss.detach())} at forward {k} of "
+                                         f"{len(forwards)}; weights not updated")
             self.engine.backward(loss * (GA * W))
             if self.engine.is_gradient_accumulation_boundary():
                 grad_norm = self._grad_norm_before_step()

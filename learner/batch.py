@@ -10,6 +10,7 @@ import torch
 
 from tandem.core.protocol import RolloutGroup
 from tandem.learner.attention import cu_seq_lens
+from tandem.learner.forwards import weights_tensor
 
 
 @dataclass
@@ -51,14 +52,16 @@ class Samples:
 
 
 def collate(s: Samples, rows, advantages: torch.Tensor, *, pad_id: int, mask_truncated: bool,
-            padding_free: bool = False) -> dict:
+            padding_free: bool = False, weights: list[torch.Tensor] | None = None) -> dict:
     """The rows as one micro-batch: [B, P + T] padded tensors, or (padding_free) every sequence packed into one row
     [1, L] (positions restarting at each sequence) with `gather` [B, T], the packed position whose hidden state
-    predicts each completion token. The completion tensors ([B, T]) are the same either way."""
+    predicts each completion token. The completion tensors ([B, T]) are the same either way; `weights` (one vector
+    per row over its completion, learner/forwards.py) become "weights" [B, T]."""
     rows = list(rows)
     T = max(max(len(s.completions[i]) for i in rows), 1)
+    extra = {} if weights is None else {"weights": weights_tensor(weights, T)}
     if padding_free:
-        return _packed(s, rows, T, advantages, pad_id=pad_id, mask_truncated=mask_truncated)
+        return _packed(s, rows, T, advantages, pad_id=pad_id, mask_truncated=mask_truncated) | extra
     P, B = max(len(s.prompts[i]) for i in rows), len(rows)
     ids = torch.full((B, P + T), pad_id, dtype=torch.long)
     attn = torch.zeros((B, P + T), dtype=torch.long)
@@ -69,7 +72,14 @@ def collate(s: Samples, rows, advantages: torch.Tensor, *, pad_id: int, mask_tru
         ids[b, P:P + len(c)] = torch.as_tensor(c, dtype=torch.long)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)  # positions as an unpadded sequence (what vLLM sees)
     return {"input_ids": ids, "attention_mask": attn, "position_ids": pos,
-            **_completion_tensors(s, rows, T, pad_id, mask_truncated), "advantages": advantages[rows].float()}
+            **_completion_tensors(s, rows, T, pad_id, mask_truncated), "advantages": advantages[rows].float()} | extra
+
+
+def loss_mask(s: Samples, rows, mask_truncated: bool) -> torch.Tensor:
+    """[B, T] the tokens of these rows the loss sees (T their longest completion), as collate's "mask"."""
+    rows = list(rows)
+    T = max(max(len(s.completions[i]) for i in rows), 1)
+    return _completion_tensors(s, rows, T, 0, mask_truncated)["mask"]
 
 
 def _completion_tensors(s: Samples, rows: list, T: int, pad_id: int, mask_truncated: bool) -> dict:

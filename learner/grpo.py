@@ -314,13 +314,16 @@ class LossInputs:
     entropy: torch.Tensor | None = None  # for the metrics
 
 
-def grpo_loss(x: LossInputs, g, *, tis: bool, max_completion_length: int, num_active_tokens=None):
+def grpo_loss(x: LossInputs, g, *, tis: bool, max_completion_length: int, num_active_tokens=None, token_weight=None):
     """Scalar loss of one micro-batch (docs/grpo.md §4) from the job's `grpo` section (prime-rl's
-    loss_fn(inputs, config) shape)."""
+    loss_fn(inputs, config) shape); with `token_weight` [B, T] (token_weights of the micro-batch each row belongs
+    to) the weighted sum instead of the loss_type's aggregation."""
     per = per_token_loss(x.logp, x.old_logp, x.advantages, x.mask, epsilon=g.epsilon, epsilon_high=g.epsilon_high,
                          delta=g.delta, importance_sampling_level=g.importance_sampling_level, beta=g.beta,
                          ref_logp=x.ref_logp, off_policy_threshold=g.off_policy_mask_threshold,
                          behaviour_logp=x.sampler_logp, **_tis_args(x, g, tis))
+    if token_weight is not None:
+        return torch.where(x.mask.bool(), per * token_weight, 0.0).sum()
     return aggregate_loss(per, x.mask, g.loss_type, max_completion_length=max_completion_length,
                           num_active_tokens=num_active_tokens)
 

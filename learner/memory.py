@@ -1,6 +1,6 @@
-"""`model.gradient_checkpointing: auto`: recompute activations only where the largest micro-batch's would not fit
-the learner's GPU memory. Pure arithmetic on the model's config and the device's numbers; the learner asks it once,
-after DeepSpeed placed the model (learner/actor.py)."""
+"""`model.max_tokens_per_forward: auto` and `model.gradient_checkpointing: auto`: forwards as large as the learner's
+GPU memory takes, activations recomputed only where they would not fit. Pure arithmetic on the model's config and the
+device's numbers; the learner asks it once, after DeepSpeed placed the model (learner/actor.py)."""
 
 from __future__ import annotations
 
@@ -32,16 +32,50 @@ def checkpointing_needed(per_token: int, tokens: int, budget: int, headroom: flo
     return per_token * tokens > headroom * budget
 
 
-def auto_checkpointing(cfg, mc: dict | None, total: int, allocated: int) -> bool:
-    """`model.gradient_checkpointing: auto` on a GPU of `total` bytes where the learner holds `allocated`: on where the
-    largest micro-batch (per_device_train_batch_size sequences at max_prompt_length + max_completion_length) would
-    not fit; on where the model's shape is unknown (`mc` None or short of a key), as TRL's default is."""
-    c, g = cfg.cluster, cfg.generation
-    shares = cfg.model.fast_inference and (c.vllm_mode == "colocate" or 0 < c.rollout_resources.num_gpus < 1)
-    tokens = cfg.batch.per_device_train_batch_size * (g.max_prompt_length + g.max_completion_length)
+def checkpointed_bytes_per_token(mc: dict, dtype_bytes: int) -> int:
+    """The same with gradient checkpointing: each layer's input kept, one layer's activations alive in its
+    recompute."""
+    return mc["hidden_size"] * mc["num_hidden_layers"] * dtype_bytes + \
+        activation_bytes_per_token(mc, dtype_bytes) // mc["num_hidden_layers"]
+
+
+# Longer forwards gain little (bench/results/learner_gpu.md, session 17: ~10k tokens per forward 0.363 learner/mfu,
+# ~20k 0.374) and hold more memory (48 against 83 GiB there).
+MAX_AUTO_TOKENS = 16384
+
+
+def forward_layout(cfg, mc: dict | None, packed: bool, device: tuple[int, int] | None) -> tuple[int | None, bool]:
+    """(tokens per forward, gradient checkpointing) from `model.max_tokens_per_forward` and
+    `model.gradient_checkpointing`; tokens None = the plan's micro-batches, as they come. `packed`: the learner packs
+    sequences (model.padding_free, and the model took it); `device`: (total, allocated) bytes of the learner's GPU
+    after the model is placed, None off a GPU.
+
+    auto tokens: on a GPU the most tokens whose activations fit 3/4 of what is left (less a sharing engine's share,
+    `learner_budget`) without checkpointing, at most MAX_AUTO_TOKENS; where not even one sequence of
+    max_prompt_length + max_completion_length fits, with checkpointing (auto) as many as fit that way. Off a GPU
+    (or of a model whose shape is unknown) a micro-batch's worst case: per_device_train_batch_size sequences at
+    full length, so a forward never holds more than the plan's largest micro-batch would.
+    auto checkpointing: on where the largest forward's activations would not fit (off a GPU: off; shape unknown:
+    on, as TRL's default)."""
+    m, g, c = cfg.model, cfg.generation, cfg.cluster
+    seq = g.max_prompt_length + g.max_completion_length
+    micro = cfg.batch.per_device_train_batch_size * seq
+    want, ck = m.max_tokens_per_forward, m.gradient_checkpointing
+    tokens = None if not packed or want is None else (micro if want == "auto" else want)
+    if device is None:
+        return tokens, ck is True
     try:
-        per_token = activation_bytes_per_token(mc, 4 if cfg.model.dtype == "float32" else 2)
+        dtype_bytes = 4 if m.dtype == "float32" else 2
+        full, kept = activation_bytes_per_token(mc, dtype_bytes), checkpointed_bytes_per_token(mc, dtype_bytes)
     except (KeyError, TypeError, ZeroDivisionError):
-        return True
-    return checkpointing_needed(per_token, tokens,
-                                learner_budget(total, allocated, c.vllm_gpu_memory_utilization if shares else 0.0))
+        return tokens, ck is not False
+    shares = m.fast_inference and (c.vllm_mode == "colocate" or 0 < c.rollout_resources.num_gpus < 1)
+    room = learner_budget(*device, c.vllm_gpu_memory_utilization if shares else 0.0)
+    if packed and want == "auto":
+        fits = lambda per: min(max(int(0.75 * room // per), 0), MAX_AUTO_TOKENS)
+        if ck is False or (ck == "auto" and fits(full) >= seq):
+            return max(fits(full), seq), False
+        return max(fits(kept), seq), True
+    if ck == "auto":
+        ck = checkpointing_needed(full, tokens or micro, room)
+    return tokens, ck

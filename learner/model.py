@@ -55,6 +55,30 @@ def checkpointing(model) -> bool:
 
 
 def _causal_lm(cfg):
+    """The job's model in its dtype, with Liger's layers where model.use_liger_kernel asks (kernels/fused_layers.py)."""
+    model = _attending(cfg)
+    want = cfg.model.use_liger_kernel
+    if want is False:
+        return model
+    from tandem.kernels.fused_layers import fuse_layers, liger_missing
+
+    why = liger_missing()
+    if why is None and fuse_layers(model) == 0:
+        why = f"{type(model).__name__} has no Llama-style RMSNorm or SwiGLU MLP"
+    if why is not None and want is True:
+        from tandem.core.config import JobConfigError
+
+        raise JobConfigError(f"model.use_liger_kernel = true: {why}; allowed: true where liger-kernel and a CUDA "
+                             "device are there, auto (on where they are) or false")
+    return model
+
+
+def uses_liger(model) -> bool:
+    """Liger's layers are in the model (kernels/fused_layers.py)."""
+    return any(hasattr(m, "_own_forward") for m in model.modules())
+
+
+def _attending(cfg):
     """The job's model in its dtype; with model.padding_free, attending through learner/attention.py when the
     architecture takes it and keeps packed sequences apart with it (a probe), else padded, with a warning."""
     from transformers import AutoModelForCausalLM

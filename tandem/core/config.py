@@ -72,6 +72,23 @@ class ModelConfig(_Section):
         "sequence, attention within each through a variable-length kernel) instead of padding them to the longest: "
         "the same loss and gradients without computing padding (TRL SFT's name; verl's use_remove_padding); a model "
         "whose forward cannot take it is padded, with a warning")
+    use_liger_kernel: bool | Literal["auto"] = Field(
+        "auto", description="the learner's RMSNorm and SwiGLU through Liger-Kernel's Triton kernels (transformers' "
+        "use_liger_kernel; Tandem's own fused loss either way): auto = where liger-kernel is installed and the learner "
+        "has a CUDA device, for Llama-family layers (kernels/fused_layers.py); true: required")
+    max_tokens_per_forward: int | Literal["auto"] | None = Field(
+        "auto", description="with padding_free: each optimizer step's sequences regrouped into forwards of at most "
+        "this many tokens (a longer sequence alone), each sequence's loss weighted as in its "
+        "per_device_train_batch_size micro-batch (the same loss and gradient; verl's use_dynamic_bsz); auto: as many "
+        "as the GPU's memory left takes without checkpointing (at most 16,384; learner/memory.py), off a GPU "
+        "per_device_train_batch_size x (max_prompt_length + max_completion_length); null: one forward per micro-batch")
+
+    @field_validator("max_tokens_per_forward")
+    @classmethod
+    def _positive_tokens(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"model.max_tokens_per_forward = {v}; allowed: an int >= 1, auto or null")
+        return v
 
     def local_dir(self) -> str:
         """The model's directory on this node: `path`, or its Hub snapshot (tandem.core.hub.model_dir)."""

@@ -91,6 +91,26 @@ def test_padding_free_micro_batches_match_the_padded_whole_batch(tmp_path, tiny_
     assert padded["learner/padding_frac"] > 0.1
 
 
+@pytest.mark.parametrize("loss_type,zero,budget", [("dapo", 0, 1), ("grpo", 3, 1), ("bnpo", 2, 20),
+                                                    ("dr_grpo", 0, 36), ("grpo", 0, 10_000)])
+def test_a_token_budget_regroups_the_forwards_and_changes_no_weight(tmp_path, tiny_model, loss_type, zero, budget):
+    """model.max_tokens_per_forward: the step's sequences in forwards of at most `budget` tokens (1: each alone,
+    eight forwards for GA 4; 20, 36: five, three; 10,000: all in one), each weighted as its plan micro-batch (grpo: per sequence within
+    it, bnpo: its token count) == docs/grpo.md §4 on the padded whole batch."""
+    from tandem.learner.forwards import token_budget_bins
+
+    groups = make_groups(2, 4, seed=5)
+    cfg = job(tmp_path, tiny_model, per=2, ga=4, spg=4, loss_type=loss_type, zero=zero,
+              model={"max_tokens_per_forward": budget})
+    lr = started(Learner(cfg, port=free_port(), optimizer=sgd(LR)))
+    assert lr.token_budget == budget
+    step = lr.train(groups)["steps"][0]
+    close({k.removeprefix("module."): v for k, v in lr.trainable_parameters().items()}, reference_step(cfg, groups, LR))
+    lengths = [len(g.prompt_ids) + len(g.completion(k)) for g in groups for k in range(4)]
+    want = len(token_budget_bins([list(enumerate(lengths))], budget)[0])
+    assert step["learner/forwards_per_step"] == want == {1: 8, 20: 5, 36: 3, 10_000: 1}[budget]  # GA is 4
+
+
 @pytest.mark.parametrize("level,mu,padding_free", [("token", 2, False), ("sequence", 2, False), ("token", 1, False),
                                                    ("sequence", 1, False), ("token", 2, True)])
 def test_all_loss_terms_match_whole_batch(tmp_path, tiny_model, level, mu, padding_free):
@@ -228,13 +248,14 @@ def test_reference_is_base_model(tmp_path, tiny_model):
 
 def test_non_finite_loss_stops_before_the_weights_move(tmp_path, tiny_model):
     """A NaN sampler log-prob (TIS on) makes micro-step 2 of 4 non-finite: train raises, naming the
-    micro-step, and no weight has moved (the optimizer step comes only at the fourth)."""
+    forward, and no weight has moved (the optimizer step comes only at the fourth)."""
     groups = make_groups(2, 4, seed=13)
     groups[1].sampler_logprobs[0] = float("nan")  # the first token of sample 4: micro-batch 2
-    cfg = job(tmp_path, tiny_model, per=2, ga=4, spg=4, grpo={"vllm_importance_sampling_correction": True})
+    cfg = job(tmp_path, tiny_model, per=2, ga=4, spg=4, grpo={"vllm_importance_sampling_correction": True},
+              model={"max_tokens_per_forward": None})  # the plan's four micro-batches, one forward each
     lr = started(Learner(cfg, port=free_port(), optimizer=sgd(LR)))
     before = lr.trainable_parameters()
-    with pytest.raises(FloatingPointError, match="non-finite loss nan at micro-step 2"):
+    with pytest.raises(FloatingPointError, match="non-finite loss nan at forward 2 of 4"):
         lr.train(groups)
     after = lr.trainable_parameters()
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -278,12 +299,19 @@ def test_bf16_learner_follows_the_float32_reference(tmp_path, tiny_model, zero):
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])  # dr_grpo: grpo's cross-rank sequence count, a constant per token
 def test_two_ranks_match_one(ray_session, tmp_path, tiny_model, loss_type):
     """Two Ray learner actors on half the batch each == one rank on the whole batch (ZeRO 2); grpo's two ranks
-    padding-free (model.padding_free), the one rank padded."""
+    padding-free (model.padding_free) under a token budget that gives them unequal forwards, the one rank padded."""
+    from tandem.learner.forwards import _first_fit_decreasing, token_budget_bins
     from tandem.learner.group import LearnerGroup
 
     groups = make_groups(2, 4, seed=7)
+    n = [len(g.prompt_ids) + len(g.completion(k)) for g in groups for k in range(4)]
+    # grpo: a token budget under which rank 0 (rows 0-1, 4-5) and rank 1 (2-3, 6-7) need different numbers of
+    # forwards, so one splits its own to run as many backward passes as the other
+    ranks = [[(i, n[i]) for i in (0, 1, 4, 5)], [(i, n[i]) for i in (2, 3, 6, 7)]]
+    budget = next(b for b in range(1, 100) if len({len(_first_fit_decreasing(r, b)) for r in ranks}) == 2)
+    assert len({len(b) for b in token_budget_bins(ranks, budget)}) == 1
     c2 = job(tmp_path, tiny_model, per=2, ga=2, spg=2, loss_type=loss_type, zero=2, nproc=2,
-             model={"padding_free": loss_type == "grpo"})
+             model={"padding_free": loss_type == "grpo", "max_tokens_per_forward": budget})
     g2 = LearnerGroup(c2, total_steps=10, optimizer=sgd(LR))
     out = g2.train(groups)
     assert out["version"] == 1 and len(out["steps"]) == 1

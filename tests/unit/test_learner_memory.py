@@ -55,24 +55,66 @@ def test_checkpointing_turns_on_where_the_largest_micro_batch_would_not_fit():
     assert checkpointing_needed(per, 8 * 2112, learner_budget(24 * GIB, 4 * GIB, 0.3))  # a 24 GiB card
 
 
-def test_auto_reads_the_job_the_engine_share_and_an_unknown_shape():
-    from tandem.core.config import JobConfig
-    from tandem.learner.memory import auto_checkpointing
+QWEN_1_5B = {"hidden_size": 1536, "num_attention_heads": 12, "num_key_value_heads": 2, "intermediate_size": 8960,
+             "num_hidden_layers": 28}
 
-    def cfg(rollout_gpus, per=8, mode="server"):
-        return JobConfig.from_dict({
-            "model": {"path": "m", "lora": {"r": 16}}, "data": {"path": "d.jsonl"}, "rewards": ["r:f"],
-            "generation": {"max_prompt_length": 64, "max_completion_length": 2048},
-            "batch": {"per_device_train_batch_size": per, "gradient_accumulation_steps": 1, "num_generations": 8},
-            "cluster": {"vllm_mode": mode, "vllm_gpu_memory_utilization": 0.6,
-                        "rollout_resources": {"num_gpus": rollout_gpus}, "learner_resources": {"num_gpus": 0.4}}})
-    mc = {"hidden_size": 1536, "num_attention_heads": 12, "num_key_value_heads": 2, "intermediate_size": 8960,
-          "num_hidden_layers": 28}
+
+def job(rollout_gpus, per=8, mode="server", **model):
+    from tandem.core.config import JobConfig
+
+    return JobConfig.from_dict({
+        "model": {"path": "m", "lora": {"r": 16}, **model}, "data": {"path": "d.jsonl"}, "rewards": ["r:f"],
+        "generation": {"max_prompt_length": 64, "max_completion_length": 2048},
+        "batch": {"per_device_train_batch_size": per, "gradient_accumulation_steps": 1, "num_generations": 8},
+        "cluster": {"vllm_mode": mode, "vllm_gpu_memory_utilization": 0.6,
+                    "rollout_resources": {"num_gpus": rollout_gpus}, "learner_resources": {"num_gpus": 0.4}}})
+
+
+def test_auto_checkpointing_reads_the_job_the_engine_share_and_an_unknown_shape():
+    """A padded learner (one forward per plan micro-batch): checkpointing where the largest micro-batch won't fit."""
+    from tandem.learner.memory import forward_layout
+
+    mc, total, held = QWEN_1_5B, 140 * GIB, 4 * GIB
+    layout = lambda cfg, shape=mc: forward_layout(cfg, shape, False, (total, held))
     per = activation_bytes_per_token(mc, 2) * 8 * 2112  # 8 sequences at 64 + 2,048 tokens: ~41 GiB
-    total, held = 140 * GIB, 4 * GIB
     # an engine on the same GPU takes 0.6 of it: 56 - 6 GiB left, 41 > 3/4 of that
-    assert auto_checkpointing(cfg(0.4), mc, total, held) == (per > 0.75 * (int(total * 0.4) - 6 * GIB)) is True
-    assert auto_checkpointing(cfg(1), mc, total, held) is False  # the engine on a GPU of its own
-    assert auto_checkpointing(cfg(1, mode="colocate"), mc, total, held) is True  # colocated: in this process's GPU
-    assert auto_checkpointing(cfg(1, per=32), mc, total, held) is True  # 32 sequences: ~165 GiB
-    assert auto_checkpointing(cfg(1), {"hidden_size": 1536}, total, held) is True  # shape unknown: on, as TRL
+    assert per > 0.75 * (int(total * 0.4) - 6 * GIB)
+    assert layout(job(0.4)) == (None, True)
+    assert layout(job(1)) == (None, False)  # the engine on a GPU of its own
+    assert layout(job(1, mode="colocate")) == (None, True)  # colocated: in this process's GPU
+    assert layout(job(1, per=32)) == (None, True)  # 32 sequences: ~165 GiB
+    assert layout(job(1), {"hidden_size": 1536}) == (None, True)  # shape unknown: on, as TRL
+    assert layout(job(0.4, gradient_checkpointing=False)) == (None, False)  # the user's word stands
+
+
+def test_auto_tokens_per_forward_fill_what_is_left_and_checkpoint_only_where_one_sequence_cannot_fit():
+    from tandem.learner.memory import MAX_AUTO_TOKENS, checkpointed_bytes_per_token, forward_layout
+
+    mc, held = QWEN_1_5B, 4 * GIB
+    full, kept = activation_bytes_per_token(mc, 2), checkpointed_bytes_per_token(mc, 2)
+    assert kept == 1536 * 28 * 2 + full // 28
+    # one H200 beside an engine taking 0.6: ~50 GiB left, 3/4 of it is ~15k tokens without checkpointing
+    room = int(140 * GIB * 0.4) - held - 2 * GIB
+    tokens, ck = forward_layout(job(0.4), mc, True, (140 * GIB, held))
+    assert (tokens, ck) == (int(0.75 * room // full), False) and 14_000 < tokens < 16_000
+    # alone on the H200: more would fit, the cap holds
+    assert forward_layout(job(1), mc, True, (140 * GIB, held)) == (MAX_AUTO_TOKENS, False)
+    # a 24 GiB card beside the engine: 3.6 GiB left, not one 2,112-token sequence without checkpointing
+    room = int(24 * GIB * 0.4) - held - 2 * GIB
+    assert 0.75 * room < full * 2112
+    assert forward_layout(job(0.4), mc, True, (24 * GIB, held)) == (int(0.75 * room // kept), True)
+    # checkpointing asked for: the tokens that fit that way; refused: never below one whole sequence
+    assert forward_layout(job(0.4, gradient_checkpointing=True), mc, True, (140 * GIB, held))[1] is True
+    assert forward_layout(job(0.4, gradient_checkpointing=False), mc, True, (24 * GIB, held)) == (2112, False)
+    # a budget set by hand: kept, checkpointing decided for it
+    assert forward_layout(job(0.4, max_tokens_per_forward=4096), mc, True, (140 * GIB, held)) == (4096, False)
+    assert forward_layout(job(0.4, max_tokens_per_forward=30000), mc, True, (140 * GIB, held)) == (30000, True)
+    # off a GPU: the plan's largest micro-batch (8 x 2,112), no checkpointing; null: the plan's micro-batches
+    assert forward_layout(job(1), mc, True, None) == (8 * 2112, False)
+    assert forward_layout(job(1, max_tokens_per_forward=None), mc, True, None) == (None, False)
+    assert forward_layout(job(1), mc, False, None) == (None, False)  # padded: no regrouping
+
+
+def test_max_tokens_per_forward_refuses_zero():
+    with pytest.raises(Exception, match="model.max_tokens_per_forward = 0"):
+        job(1, max_tokens_per_forward=0)

@@ -1,0 +1,55 @@
+"""model.use_liger_kernel: Liger's Triton RMSNorm and SwiGLU patched into a model's own layers (kernels/fused_layers.py).
+Off a GPU a patched layer runs its own forward (the padding-free probe and any CPU forward stay exact); asked for
+where it cannot run, the job is refused by name. The kernels' agreement with transformers' layers runs on the GPU
+machine (bench/device: pytest tests/unit/test_fused_layers.py there)."""
+
+import pytest
+import torch
+
+from tests.helpers import ROOT, make_job
+
+REWARD = f"{ROOT}/examples/rewards.py:length_reward"
+
+
+def _qwen2(tiny_model, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=dtype)
+
+
+def test_every_norm_and_mlp_is_patched_and_a_cpu_forward_is_the_models_own(tiny_model):
+    from tandem.kernels.fused_layers import fuse_layers
+
+    model, plain = _qwen2(tiny_model), _qwen2(tiny_model)
+    layers = model.config.num_hidden_layers
+    assert fuse_layers(model) == 2 * layers + 1 + layers  # two norms a layer, the final norm, one MLP a layer
+    ids = torch.randint(0, 512, (2, 9))
+    torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_asking_for_liger_where_it_cannot_run_names_the_field(tmp_path, tiny_model):
+    from tandem.core.config import JobConfigError
+    from tandem.kernels.fused_layers import liger_missing
+    from tandem.learner.model import load_policy, uses_liger
+
+    if liger_missing() is None:
+        pytest.skip("Liger runs here (the GPU machine): the refusal is this CPU's")
+    with pytest.raises(JobConfigError, match=r"model.use_liger_kernel = true: no CUDA device"):
+        load_policy(make_job(tmp_path, tiny_model, [REWARD], model={"use_liger_kernel": True}))
+    assert not uses_liger(load_policy(make_job(tmp_path, tiny_model, [REWARD])))  # auto: off here, silently
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Liger's kernels are Triton on CUDA (the GPU machine runs this)")
+def test_liger_layers_follow_transformers_on_the_gpu(tiny_model):
+    from tandem.kernels.fused_layers import fuse_layers, liger_missing
+
+    assert liger_missing() is None
+    model, plain = (_qwen2(tiny_model, torch.bfloat16).cuda() for _ in range(2))
+    fuse_layers(model)
+    ids = torch.randint(0, 512, (3, 40), device="cuda")
+    a, b = model(input_ids=ids).logits.float(), plain(input_ids=ids).logits.float()
+    torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
+    a.square().mean().backward()
+    b.square().mean().backward()
+    for (n, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad.float(), q.grad.float(), rtol=0.1, atol=0.02, msg=n)
