@@ -65,8 +65,9 @@ class ModelConfig(_Section):
     fast_inference: bool = Field(True, description="True: vLLM samples; False: transformers generate")
     gradient_checkpointing: bool | Literal["auto"] = Field(
         "auto", description="recompute activations in backward: true, false, or auto: on where the largest "
-        "micro-batch's activations would take more than 3/4 of the learner's GPU memory left (less a sharing vLLM "
-        "engine's share), off on CPU (learner/memory.py; learner/gradient_checkpointing reports it)")
+        "forward's activations (max_tokens_per_forward's, or a micro-batch's) would take more than 3/4 of the "
+        "learner's GPU memory left (less a sharing vLLM engine's share), off on CPU (learner/memory.py; "
+        "learner/gradient_checkpointing reports it)")
     padding_free: bool = Field(
         True, description="the learner packs each micro-batch's sequences into one row (positions restarting per "
         "sequence, attention within each through a variable-length kernel) instead of padding them to the longest: "

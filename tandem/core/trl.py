@@ -30,6 +30,7 @@ KNOWN.update({
     "train_batch_size": ("batch", "per_device_train_batch_size"),  # the seed's name
     "use_vllm": ("model", "fast_inference"),
     "gradient_checkpointing": ("model", "gradient_checkpointing"),
+    "use_liger_kernel": ("model", "use_liger_kernel"),  # TRL's false kept; true: Liger's layers (or refused)
     "seed": ("", "seed"),
     "vllm_gpu_memory_utilization": ("cluster", "vllm_gpu_memory_utilization"),
     "vllm_importance_sampling_clip_max": ("grpo", "vllm_importance_sampling_cap"),  # TRL's name for the cap
@@ -40,7 +41,7 @@ KNOWN.update({
 # Names that change training; accepted at TRL 1.16's default (what `trl.GRPOConfig()` prints: the
 # value under which Tandem computes what TRL computes), refused otherwise.
 UNSUPPORTED_NEUTRAL: dict[str, Any] = {
-    "top_entropy_quantile": 1.0, "sync_ref_model": False, "use_liger_loss": False, "use_liger_kernel": False,
+    "top_entropy_quantile": 1.0, "sync_ref_model": False, "use_liger_loss": False,
     "liger_kernel_config": None, "cast_lm_head_to_fp32": False, "generation_kwargs": None,
     "label_smoothing_factor": 0.0, "disable_dropout": False, "shuffle_dataset": True, "mask_truncated": None,
     "vllm_importance_sampling_min": None, "num_processes": 1, "gradient_accumulation": None,

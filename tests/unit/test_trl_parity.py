@@ -41,6 +41,8 @@ def test_a_dict_printed_from_trl_grpoconfig_is_accepted(job_files):
     assert cfg.model.fast_inference is d["use_vllm"] is False
     assert g.vllm_importance_sampling_correction is False  # TRL corrects only what vLLM sampled
     assert cfg.model.gradient_checkpointing is d["gradient_checkpointing"] is True
+    assert cfg.model.use_liger_kernel is d["use_liger_kernel"] is False  # TRL's; true asks for Liger's layers
+    assert JobConfig.from_trl({**d, "use_liger_kernel": True}, **job_files).model.use_liger_kernel is True
     assert cfg.checkpoint.save_steps == d["save_steps"] and cfg.seed == d["seed"]
     assert cfg.checkpoint.save_total_limit is d["save_total_limit"] is None  # keep every checkpoint
 
