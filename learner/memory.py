@@ -42,6 +42,9 @@ def checkpointed_bytes_per_token(mc: dict, dtype_bytes: int) -> int:
 # Longer forwards gain little (bench/results/learner_gpu.md, session 17: ~10k tokens per forward 0.363 learner/mfu,
 # ~20k 0.374) and hold more memory (48 against 83 GiB there).
 MAX_AUTO_TOKENS = 16384
+# Below this many tokens a forward without checkpointing is slower than a checkpointed one of MAX_AUTO_TOKENS (there:
+# ~5k tokens 0.234 learner/mfu, ~20k checkpointed 0.285): auto checkpoints rather than shrink the forwards further.
+MIN_FAST_TOKENS = 8192
 
 
 def forward_layout(cfg, mc: dict | None, packed: bool, device: tuple[int, int] | None) -> tuple[int | None, bool]:
@@ -52,7 +55,8 @@ def forward_layout(cfg, mc: dict | None, packed: bool, device: tuple[int, int] |
 
     auto tokens: on a GPU the most tokens whose activations fit 3/4 of what is left (less a sharing engine's share,
     `learner_budget`) without checkpointing, at most MAX_AUTO_TOKENS; where not even one sequence of
-    max_prompt_length + max_completion_length fits, with checkpointing (auto) as many as fit that way. Off a GPU
+    max_prompt_length + max_completion_length fits, or fewer than MIN_FAST_TOKENS, with checkpointing (auto) as many
+    as fit that way. Off a GPU
     (or of a model whose shape is unknown) a micro-batch's worst case: per_device_train_batch_size sequences at
     full length, so a forward never holds more than the plan's largest micro-batch would.
     auto checkpointing: on where the largest forward's activations would not fit (off a GPU: off; shape unknown:
@@ -73,7 +77,7 @@ def forward_layout(cfg, mc: dict | None, packed: bool, device: tuple[int, int] |
     room = learner_budget(*device, c.vllm_gpu_memory_utilization if shares else 0.0)
     if packed and want == "auto":
         fits = lambda per: min(max(int(0.75 * room // per), 0), MAX_AUTO_TOKENS)
-        if ck is False or (ck == "auto" and fits(full) >= seq):
+        if ck is False or (ck == "auto" and fits(full) >= max(seq, MIN_FAST_TOKENS)):
             return max(fits(full), seq), False
         return max(fits(kept), seq), True
     if ck == "auto":

@@ -88,7 +88,7 @@ def test_auto_checkpointing_reads_the_job_the_engine_share_and_an_unknown_shape(
 
 
 def test_auto_tokens_per_forward_fill_what_is_left_and_checkpoint_only_where_one_sequence_cannot_fit():
-    from tandem.learner.memory import MAX_AUTO_TOKENS, checkpointed_bytes_per_token, forward_layout
+    from tandem.learner.memory import MAX_AUTO_TOKENS, MIN_FAST_TOKENS, checkpointed_bytes_per_token, forward_layout
 
     mc, held = QWEN_1_5B, 4 * GIB
     full, kept = activation_bytes_per_token(mc, 2), checkpointed_bytes_per_token(mc, 2)
@@ -103,6 +103,11 @@ def test_auto_tokens_per_forward_fill_what_is_left_and_checkpoint_only_where_one
     room = int(24 * GIB * 0.4) - held - 2 * GIB
     assert 0.75 * room < full * 2112
     assert forward_layout(job(0.4), mc, True, (24 * GIB, held)) == (int(0.75 * room // kept), True)
+    # a 40 GiB card beside the engine: 10 GiB left, ~2,900 tokens without checkpointing: fewer than MIN_FAST_TOKENS,
+    # so checkpointed forwards of up to MAX_AUTO_TOKENS instead (measured faster)
+    room = int(40 * GIB * 0.4) - held - 2 * GIB
+    assert 2112 < 0.75 * room // full < MIN_FAST_TOKENS
+    assert forward_layout(job(0.4), mc, True, (40 * GIB, held)) == (min(int(0.75 * room // kept), MAX_AUTO_TOKENS), True)
     # checkpointing asked for: the tokens that fit that way; refused: never below one whole sequence
     assert forward_layout(job(0.4, gradient_checkpointing=True), mc, True, (140 * GIB, held))[1] is True
     assert forward_layout(job(0.4, gradient_checkpointing=False), mc, True, (24 * GIB, held)) == (2112, False)
