@@ -288,6 +288,9 @@ def measure_tandem(cfg, wl, gpu: bool) -> dict:
         "cores_busy": sum(c > 50 for c in cores), "reward_first": rows[0]["reward"], "reward_last": rows[-1]["reward"],
         "turns_per_episode": med("episodes/turns_mean"), "tool_calls_per_episode": med("tools/call_frequency"),
         "completion_length_p50": med("completion_length_p50"), "completion_length_p95": med("completion_length_p95"),
+        # the learner's layout as its defaults chose it (model.max_tokens_per_forward, checkpointing, Liger)
+        "forwards_per_step": med("learner/forwards_per_step"),
+        "gradient_checkpointing": med("learner/gradient_checkpointing"), "liger_kernel": med("learner/liger_kernel"),
     }
     out.update({k2: v for k2, v in gpu_stats.items()})
     if pss is not None:

@@ -3,7 +3,7 @@
 # (after ../shared/device/gpu-wheels.sh's parts). pytest where the machine has it, else each test called by hand.
 cd "$(dirname "$0")/../.."
 for d in services learner rollout kernels; do ln -sfn ../$d tandem/$d; done  # tandem.* from this tree
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0  # tests/conftest.py interprets Triton on the CPU; here the kernels compile
 if python3 -m pytest --version >/dev/null 2>&1; then
   exec python3 -m pytest -q -p no:cacheprovider tests/unit/test_fused_layers.py tests/unit/test_padding_free.py
 fi
