@@ -235,19 +235,15 @@ class Learner:
         rewards, weights = with_overlong_column(torch.from_numpy(s.rewards), lengths, cfg.column_weights(), g,
                                                 cfg.generation.max_completion_length)
         adv = compute_advantages(rewards, plan.num_generations, weights, g.scale_rewards)
-        steps = plan.optimizer_steps()
-        forwards = {}  # one optimizer step's plan micro-batches (k within the cycle) -> the forwards it runs
-        for opt_step in steps:
-            key = tuple(m.index % plan.steps_per_generation for m in opt_step)
-            if key not in forwards:
-                forwards[key] = [to_device(f, self.device) for f in self._forwards(s, adv, key)]
+        # each optimizer step by its plan micro-batches (k within the cycle; PPO epochs repeat them)
+        keys = [tuple(m.index % plan.steps_per_generation for m in opt_step) for opt_step in plan.optimizer_steps()]
+        forwards = {key: [to_device(f, self.device) for f in self._forwards(s, adv, key)] for key in dict.fromkeys(keys)}
         self.engine.train()
         with torch.no_grad():
             old = {k: [self._logp(f)[0] for f in fs] for k, fs in forwards.items()} if self.needs_old() else None
             ref = {k: [self._logp(f, reference=True) for f in fs] for k, fs in forwards.items()} if g.beta > 0 else None
         step_metrics, tokens, computed = [], 0, 0
-        for opt_step in steps:
-            key = tuple(m.index % plan.steps_per_generation for m in opt_step)
+        for key in keys:
             fs = forwards[key]
             step_metrics.append(self._optimizer_step(fs, None if old is None else old[key], None if ref is None else ref[key]))
             tokens += sum(real_tokens(f) for f in fs)  # this rank's

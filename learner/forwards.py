@@ -16,9 +16,9 @@ from tandem.learner.grpo import token_weights
 
 def token_budget_bins(lengths: list[list[tuple[int, int]]], budget: int) -> list[list[list[int]]]:
     """Every rank's (row, tokens) pairs (as many rows on every rank, as the plan gives them) -> per rank, the same
-    number of forwards, each a list of rows with at most
-    `budget` tokens (a longer row alone). First-fit decreasing per rank; ranks that need fewer forwards split their
-    fullest ones, since every rank must run as many backward passes as the others (ZeRO's collectives)."""
+    number of forwards, each a list of rows with at most `budget` tokens (a longer row alone). First-fit decreasing
+    per rank; ranks that need fewer forwards split their fullest ones, since every rank must run as many backward
+    passes as the others (ZeRO's collectives)."""
     if budget < 1:
         raise ValueError(f"token_budget_bins: budget {budget}; allowed: >= 1 token")
     per_rank = [_first_fit_decreasing(rows, budget) for rows in lengths]
