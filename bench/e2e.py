@@ -81,6 +81,7 @@ def on_gpu(workload: str) -> bool:
 TANDEM = {"tandem_k0": (0, "server", True), "tandem_k1": (1, "server", True),
           "tandem_k0_colocate": (0, "colocate", True), "tandem_k1_colocate": (1, "colocate", True),
           "tandem_k0_generate": (0, "server", False), "tandem_k1_generate": (1, "server", False)}
+TRL_VLLM_MEMORY = 0.3  # GRPOConfig's vllm_gpu_memory_utilization
 KEYS = ("s_per_step", "gen_s_per_step", "train_s_per_step", "completions_per_s", "gen_tokens_per_s",
         "gpu_busy_frac", "peak_gpu_gib", "publish_latency_s")
 
@@ -238,7 +239,7 @@ def tandem_config(paths, wl, k, args, mode="server", vllm=True):
         "cluster": {"num_rollout_workers": 1, "max_staleness": k, "vllm_mode": mode,
                     "rollout_resources": res(args.rollout_gpus if gpu else 0),
                     "learner_resources": res(args.learner_gpus if gpu else 0),
-                    "vllm_gpu_memory_utilization": args.vllm_memory},
+                    "vllm_gpu_memory_utilization": args.vllm_memory or "auto"},
         "logging": {"output_dir": str(Path(args.dir) / f"run-k{k}"), "progress": False},
     })
 
@@ -331,7 +332,8 @@ def run_vllm(paths, wl, args) -> dict:
     kw = dict(model=paths["model"], dtype=wl["model"]["dtype"], enforce_eager=not gpu, seed=0, max_model_len=64 + wl["max_tokens"],
               logprobs_mode="processed_logprobs", distributed_executor_backend="uni", enable_lora=True,
               max_lora_rank=max(8, wl["lora"]["r"]), max_loras=2)
-    kw.update({"gpu_memory_utilization": args.vllm_memory} if gpu else {"kv_cache_memory_bytes": 256 << 20})
+    kw.update({"gpu_memory_utilization": args.vllm_memory or TRL_VLLM_MEMORY} if gpu
+              else {"kv_cache_memory_bytes": 256 << 20})
     llm = LLM(**kw)
     lora = LoRARequest("bench", 1, str(random_adapter(paths["model"], wl["lora"], Path(args.dir) / "adapter")))
     tok = AutoTokenizer.from_pretrained(paths["model"])
@@ -390,7 +392,7 @@ def run_trl(paths, wl, args, reward=None, tools=None, **config) -> dict:
                 lr_scheduler_type="constant", temperature=1.0, beta=0.0, loss_type="dapo", logging_steps=1,
                 report_to="none", save_strategy="no", seed=42, **config)
     if gpu:
-        conf.update(bf16=True, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_memory)
+        conf.update(bf16=True, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_memory or TRL_VLLM_MEMORY)
     else:
         conf.update(use_cpu=True, bf16=False)
     lora = wl["lora"]
@@ -486,7 +488,9 @@ def main():
     r.add_argument("--json", required=True)
     r.add_argument("--rollout-gpus", type=float, default=0.4, help="Ray GPUs of the rollout worker")
     r.add_argument("--learner-gpus", type=float, default=0.4, help="Ray GPUs of the learner")
-    r.add_argument("--vllm-memory", type=float, default=0.3, help="vllm_gpu_memory_utilization")
+    r.add_argument("--vllm-memory", type=float, default=None,
+                   help="vllm_gpu_memory_utilization of every candidate; default: Tandem's (auto), TRL's (0.3) for "
+                        "TRL and the ceiling")
     r.add_argument("--set", action="append", default=[], help="workload key=value (e.g. prompts=8)")
     t = sub.add_parser("table")
     t.add_argument("out_dir")

@@ -4,7 +4,7 @@ vLLM ceiling, TRL's GRPOTrainer in colocate mode; the same model (Qwen2.5-0.5B's
 2 warm-up steps. Each candidate runs in a process of its own (bench/e2e.py), one after the other.
 
   python3 bench/e2e_gpu.py [--candidates tandem_k0,tandem_k1,vllm_ceiling,trl_colocate] [--out DIR]
-      [--rollout-gpus 0.4 --learner-gpus 0.4 --vllm-memory 0.3]   # placement (two GPUs: 1 / 1 / 0.85)
+      [--rollout-gpus 0.4 --learner-gpus 0.4 --vllm-memory S]   # placement (two GPUs: 1 / 1 / 0.85)
   python3 bench/e2e_gpu.py --table-only --out DIR   # the table of what DIR holds
 """
 

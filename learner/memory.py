@@ -4,6 +4,8 @@ device's numbers; the learner asks it once, after DeepSpeed placed the model (le
 
 from __future__ import annotations
 
+from tandem.core.engine_memory import engine_bytes
+
 GIB = 1 << 30
 
 
@@ -20,11 +22,11 @@ def activation_bytes_per_token(mc: dict, dtype_bytes: int) -> int:
     return (7 * h + 3 * kv * head_dim + 4 * inter) * mc["num_hidden_layers"] * dtype_bytes
 
 
-def learner_budget(total: int, allocated: int, engine_share: float, margin: int = 2 * GIB) -> int:
-    """Bytes left for activations: the device's memory less what a vLLM engine sharing it takes (its
-    gpu_memory_utilization share of the total, whether or not it has started yet), less what the learner already
-    holds (weights, optimizer state), less a margin for the allocator and the loss's chunks."""
-    return int(total * (1 - engine_share)) - allocated - margin
+def learner_budget(total: int, allocated: int, engine: int, margin: int = 2 * GIB) -> int:
+    """Bytes left for activations: the device's memory less what a vLLM engine sharing it takes (`engine` bytes,
+    whether or not it has started yet: tandem/core/engine_memory.py), less what the learner already holds
+    (weights, optimizer state), less a margin for the allocator and the loss's chunks."""
+    return total - engine - allocated - margin
 
 
 def checkpointing_needed(per_token: int, tokens: int, budget: int, headroom: float = 0.75) -> bool:
@@ -53,7 +55,7 @@ def forward_layout(cfg, mc: dict | None, packed: bool, device: tuple[int, int] |
     sequences (model.padding_free, and the model took it); `device`: (total, allocated) bytes of the learner's GPU
     after the model is placed, None off a GPU.
 
-    auto tokens: on a GPU the most tokens whose activations fit 3/4 of what is left (less a sharing engine's share,
+    auto tokens: on a GPU the most tokens whose activations fit 3/4 of what is left (less what a sharing engine takes,
     `learner_budget`) without checkpointing, at most MAX_AUTO_TOKENS; where not even one sequence of
     max_prompt_length + max_completion_length fits, or fewer than MIN_FAST_TOKENS, with checkpointing (auto) as many
     as fit that way. Off a GPU
@@ -74,7 +76,7 @@ def forward_layout(cfg, mc: dict | None, packed: bool, device: tuple[int, int] |
     except (KeyError, TypeError, ZeroDivisionError):
         return tokens, ck is not False
     shares = m.fast_inference and (c.vllm_mode == "colocate" or 0 < c.rollout_resources.num_gpus < 1)
-    room = learner_budget(*device, c.vllm_gpu_memory_utilization if shares else 0.0)
+    room = learner_budget(*device, engine_bytes(cfg, mc, device[0]) if shares else 0)
     if packed and want == "auto":
         fits = lambda per: min(max(int(0.75 * room // per), 0), MAX_AUTO_TOKENS)
         if ck is False or (ck == "auto" and fits(full) >= max(seq, MIN_FAST_TOKENS)):

@@ -21,6 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from tandem.core.compat import rollout_env_vars
+from tandem.core.engine_memory import (
+    SHARE_WITHOUT_SHAPE,
+    engine_bytes,
+    engine_kv_bytes,
+    prompts_in_flight,
+)
 from tandem.core.protocol import (
     PromptItem,
     RolloutFailure,
@@ -53,12 +59,30 @@ def build_engine(cfg, seed: int):
         return VLLMEngine(m.local_dir(), dtype=m.dtype, lora=m.lora, seed=seed,
                           max_model_len=cfg.generation.max_prompt_length + cfg.generation.max_completion_length,
                           max_loras=cfg.cluster.max_staleness + 2, enforce_eager=cfg.cluster.vllm_enforce_eager,
-                          gpu_memory_utilization=cfg.cluster.vllm_gpu_memory_utilization,
                           max_num_seqs=cfg.cluster.vllm_max_num_seqs, merge_adapter=cfg.cluster.vllm_merge_adapter,
-                          kv_cache_bytes=cpu_kv_cache_bytes(cfg))
+                          kv_cache_bytes=cpu_kv_cache_bytes(cfg), **gpu_memory_args(cfg))
     from tandem.rollout.engines.hf_engine import HFEngine
 
     return HFEngine(m.local_dir(), dtype=m.dtype, lora=m.lora, seed=seed)
+
+
+def gpu_memory_args(cfg) -> dict:
+    """vLLM's share of this process's GPU: `cluster.vllm_gpu_memory_utilization` as set, or (auto) a KV cache of
+    exactly what the controller keeps in the engine (tandem/core/engine_memory.py) and the share that, with the
+    weights, leaves (vLLM refuses to start where less than that share is free). Nothing off a GPU."""
+    import torch
+
+    share = cfg.cluster.vllm_gpu_memory_utilization
+    if share != "auto" or not torch.cuda.is_available():
+        return {"gpu_memory_utilization": share if share != "auto" else SHARE_WITHOUT_SHAPE}
+    from tandem.core.checks import language_model_config
+
+    mc, total = language_model_config(cfg.model.local_dir()), torch.cuda.mem_get_info()[1]
+    try:
+        kv = engine_kv_bytes(cfg, mc)
+    except (KeyError, TypeError, ZeroDivisionError):
+        return {"gpu_memory_utilization": SHARE_WITHOUT_SHAPE}
+    return {"gpu_memory_utilization": min(0.95, engine_bytes(cfg, mc, total) / total), "gpu_kv_cache_bytes": kv}
 
 
 @errors_as_text
@@ -361,33 +385,16 @@ def call_threads(cfg) -> int:
     return prompts_in_flight(cfg) + 8
 
 
-def prompts_in_flight(cfg) -> int:
-    """Prompts the controller keeps in each worker's engine: `cluster.rollout_prompts_in_flight`, or as
-    many groups as fill the engine's batch (max_num_seqs / num_generations), at least one cycle's worth
-    split over the workers."""
-    c = cfg.cluster
-    if c.rollout_prompts_in_flight is not None:
-        return c.rollout_prompts_in_flight
-    seqs = c.vllm_max_num_seqs or (256 if c.rollout_resources.num_gpus > 0 else 128)
-    return max(1, seqs // cfg.batch.num_generations)
-
-
 def cpu_kv_cache_bytes(cfg) -> int:
     """vLLM's KV cache on CPU (which it allocates and touches whole at start): every sequence the controller
     keeps in the engine at full length, twice over, at least 32 MiB; 256 MiB when the model's config does not
     say its shape. The tiny CPU model's jobs needed 15 MiB of the 256 MiB they were given."""
     from tandem.core.checks import language_model_config
 
-    mc = language_model_config(cfg.model.local_dir()) or {}
-    try:
-        heads = mc["num_attention_heads"]
-        per_token = (2 * mc["num_hidden_layers"] * mc.get("num_key_value_heads", heads)
-                     * (mc.get("head_dim") or mc["hidden_size"] // heads) * (4 if cfg.model.dtype == "float32" else 2))
+    try:  # 128: vLLM's max_num_seqs on CPU
+        return max(32 << 20, 2 * engine_kv_bytes(cfg, language_model_config(cfg.model.local_dir()) or {}, 128))
     except (KeyError, TypeError, ZeroDivisionError):
         return 256 << 20
-    g = cfg.generation
-    seqs = min(prompts_in_flight(cfg) * cfg.batch.num_generations, cfg.cluster.vllm_max_num_seqs or 128)
-    return max(32 << 20, 2 * per_token * seqs * (g.max_prompt_length + g.max_completion_length))
 
 
 def start_rollout_worker(cfg, slot: int):

@@ -112,9 +112,12 @@ class VLLMEngine(Engine):
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len: int = 1024, lora=None,
                  max_loras: int = 2, seed: int = 0, kv_cache_bytes: int = 256 << 20, adapter_dir: str | None = None,
                  enforce_eager: bool | None = None, gpu_memory_utilization: float = 0.3,
-                 max_num_seqs: int | None = None, merge_adapter: bool | None = None):
+                 gpu_kv_cache_bytes: int | None = None, max_num_seqs: int | None = None,
+                 merge_adapter: bool | None = None):
         """enforce_eager None: eager on CPU, CUDA graphs on GPU (what TRL's colocate mode runs).
-        merge_adapter None: merged on CPU, a LoRA adapter on GPU (`cluster.vllm_merge_adapter`)."""
+        merge_adapter None: merged on CPU, a LoRA adapter on GPU (`cluster.vllm_merge_adapter`).
+        gpu_kv_cache_bytes: on a GPU, the KV cache's size (vLLM then skips sizing it by its memory profile;
+        gpu_memory_utilization is only what must be free at start); kv_cache_bytes: its size on CPU."""
         import torch
 
         self._set_num_threads = torch.set_num_threads  # vLLM replaces it with a no-op in this process
@@ -134,6 +137,8 @@ class VLLMEngine(Engine):
             kw["kv_cache_memory_bytes"] = kv_cache_bytes
         else:
             kw["gpu_memory_utilization"] = gpu_memory_utilization
+            if gpu_kv_cache_bytes is not None:
+                kw["kv_cache_memory_bytes"] = gpu_kv_cache_bytes
         if max_num_seqs is not None:
             kw["max_num_seqs"] = max_num_seqs
         if lora is not None and not self.serves_one_version:

@@ -202,8 +202,8 @@ class Controller:
     def _start_actors(self) -> None:
         """The learner's setup runs while the rollout workers start (colocate: rank 0's actor is worker 0)."""
         from tandem.core.checks import write_shared_probe
+        from tandem.core.engine_memory import prompts_in_flight
         from tandem.learner.group import LearnerGroup
-        from tandem.rollout.worker import prompts_in_flight
         from tandem.services.orchestrator.colocated import PREFIX, colocated_actor_class, worker_starter
 
         cfg = self.cfg

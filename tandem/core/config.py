@@ -271,8 +271,11 @@ class ClusterConfig(_Section):
         None, ge=1, description="prompts kept in each rollout engine at once; null = vllm_max_num_seqs // num_generations")
     vllm_enforce_eager: bool | None = Field(
         None, description="vLLM without CUDA graphs; null = eager on CPU, CUDA graphs on GPU")
-    vllm_gpu_memory_utilization: float = Field(
-        0.3, gt=0, le=1, description="share of the GPU vLLM takes (weights + KV cache); 0.3 leaves room for a learner")
+    vllm_gpu_memory_utilization: float | Literal["auto"] = Field(
+        "auto", description="share of the GPU vLLM takes (weights + KV cache); auto = its weights and a KV cache "
+        "holding every sequence the controller keeps in the engine at full length (prompts in flight x "
+        "num_generations x (max_prompt_length + max_completion_length)), so it never preempts one and a learner "
+        "sharing the GPU gets the rest; a number = that share (TRL's colocate default is 0.3)")
     vllm_merge_adapter: bool | None = Field(
         None, description="vLLM samples with the adapter merged into the weights (TRL's way: one version served "
         "at a time, so publishing waits for running requests) instead of as a LoRA adapter; null = merged on CPU "
@@ -289,6 +292,13 @@ class ClusterConfig(_Section):
     max_restarts: int = Field(3, ge=0, le=100, description="times the job is restarted from its newest checkpoint "
                               "after the learner or the controller died (rollout workers are always replaced); "
                               "0 = stop at the first death")
+
+    @field_validator("vllm_gpu_memory_utilization")
+    @classmethod
+    def _share(cls, v):
+        if v != "auto" and not 0 < v <= 1:
+            raise ValueError(f"cluster.vllm_gpu_memory_utilization = {v}; allowed: a share in (0, 1] or auto")
+        return v
 
 
 class CheckpointConfig(_Section):

@@ -48,11 +48,11 @@ def test_checkpointing_turns_on_where_the_largest_micro_batch_would_not_fit():
     per = activation_bytes_per_token(qwen_1_5b, 2)
     assert per == (7 * 1536 + 3 * 256 + 4 * 8960) * 28 * 2
     # one H200 shared with an engine taking 0.3 of it, the learner holding 4 GiB: 8 x 2,112 tokens fit, 40 x 2,112 not
-    budget = learner_budget(140 * GIB, 4 * GIB, 0.3)
-    assert budget == int(140 * GIB * 0.7) - 6 * GIB
+    budget = learner_budget(140 * GIB, 4 * GIB, int(0.3 * 140 * GIB))
+    assert budget == 140 * GIB - int(0.3 * 140 * GIB) - 6 * GIB
     assert not checkpointing_needed(per, 8 * 2112, budget)
     assert checkpointing_needed(per, 40 * 2112, budget)
-    assert checkpointing_needed(per, 8 * 2112, learner_budget(24 * GIB, 4 * GIB, 0.3))  # a 24 GiB card
+    assert checkpointing_needed(per, 8 * 2112, learner_budget(24 * GIB, 4 * GIB, int(0.3 * 24 * GIB)))  # a 24 GiB card
 
 
 QWEN_1_5B = {"hidden_size": 1536, "num_attention_heads": 12, "num_key_value_heads": 2, "intermediate_size": 8960,
@@ -94,18 +94,18 @@ def test_auto_tokens_per_forward_fill_what_is_left_and_checkpoint_only_where_one
     full, kept = activation_bytes_per_token(mc, 2), checkpointed_bytes_per_token(mc, 2)
     assert kept == 1536 * 28 * 2 + full // 28
     # one H200 beside an engine taking 0.6: ~50 GiB left, 3/4 of it is ~15k tokens without checkpointing
-    room = int(140 * GIB * 0.4) - held - 2 * GIB
+    room = 140 * GIB - int(140 * GIB * 0.6) - held - 2 * GIB
     tokens, ck = forward_layout(job(0.4), mc, True, (140 * GIB, held))
     assert (tokens, ck) == (int(0.75 * room // full), False) and 14_000 < tokens < 16_000
     # alone on the H200: more would fit, the cap holds
     assert forward_layout(job(1), mc, True, (140 * GIB, held)) == (MAX_AUTO_TOKENS, False)
     # a 24 GiB card beside the engine: 3.6 GiB left, not one 2,112-token sequence without checkpointing
-    room = int(24 * GIB * 0.4) - held - 2 * GIB
+    room = 24 * GIB - int(24 * GIB * 0.6) - held - 2 * GIB
     assert 0.75 * room < full * 2112
     assert forward_layout(job(0.4), mc, True, (24 * GIB, held)) == (int(0.75 * room // kept), True)
     # a 40 GiB card beside the engine: 10 GiB left, ~2,900 tokens without checkpointing: fewer than MIN_FAST_TOKENS,
     # so checkpointed forwards of up to MAX_AUTO_TOKENS instead (measured faster)
-    room = int(40 * GIB * 0.4) - held - 2 * GIB
+    room = 40 * GIB - int(40 * GIB * 0.6) - held - 2 * GIB
     assert 2112 < 0.75 * room // full < MIN_FAST_TOKENS
     assert forward_layout(job(0.4), mc, True, (40 * GIB, held)) == (min(int(0.75 * room // kept), MAX_AUTO_TOKENS), True)
     # checkpointing asked for: the tokens that fit that way; refused: never below one whole sequence

@@ -1,0 +1,78 @@
+"""What a rollout engine holds on its GPU, from the job and the model's config alone: the sequences the controller
+keeps in it, their KV cache at full length, the weights. `cluster.vllm_gpu_memory_utilization: auto` sizes vLLM's
+KV cache by it (rollout/engines/vllm_engine.py) and a learner sharing the GPU counts it as taken (learner/memory.py).
+Pure arithmetic; both sides import it from here so they agree."""
+
+from __future__ import annotations
+
+GIB = 1 << 30
+# Beyond weights and KV cache: CUDA graphs, the profile run's activations (max_num_batched_tokens of them), the
+# sampler's logits for a full batch, LoRA slots, the allocator's slack.
+ENGINE_OVERHEAD = 3 * GIB
+SHARE_WITHOUT_SHAPE = 0.3  # auto where the model's config does not say its shape: TRL's colocate default
+
+
+def prompts_in_flight(cfg) -> int:
+    """Prompts the controller keeps in each worker's engine: `cluster.rollout_prompts_in_flight`, or as
+    many groups as fill the engine's batch (max_num_seqs / num_generations), at least one cycle's worth
+    split over the workers."""
+    c = cfg.cluster
+    if c.rollout_prompts_in_flight is not None:
+        return c.rollout_prompts_in_flight
+    seqs = c.vllm_max_num_seqs or (256 if c.rollout_resources.num_gpus > 0 else 128)
+    return max(1, seqs // cfg.batch.num_generations)
+
+
+def sequences_in_engine(cfg, default_max: int | None = None) -> int:
+    """The most sequences one engine runs at once: the controller's prompts in flight times the group size, no more
+    than `vllm_max_num_seqs` (or `default_max` where that is not set; vLLM queues the rest)."""
+    seqs = prompts_in_flight(cfg) * cfg.batch.num_generations
+    m = cfg.cluster.vllm_max_num_seqs or default_max
+    return min(seqs, m) if m else seqs
+
+
+def kv_bytes_per_token(mc: dict, dtype_bytes: int) -> int:
+    """K and V of one token over all layers."""
+    heads = mc["num_attention_heads"]
+    head_dim = mc.get("head_dim") or mc["hidden_size"] // heads
+    return 2 * mc["num_hidden_layers"] * (mc.get("num_key_value_heads") or heads) * head_dim * dtype_bytes
+
+
+def weight_bytes(mc: dict, dtype_bytes: int) -> int:
+    """A Llama-family decoder's parameters (embedding, an untied lm_head, attention with the biases its config gives,
+    a gated MLP, two norms per layer and the final one) times the bytes of one."""
+    h, V, L = mc["hidden_size"], mc["vocab_size"], mc["num_hidden_layers"]
+    heads = mc["num_attention_heads"]
+    kv = mc.get("num_key_value_heads") or heads
+    hd = mc.get("head_dim") or h // heads
+    inter = mc.get("intermediate_size") or 4 * h
+    # Qwen2: biases on q, k, v; Llama's attention_bias: on o too
+    bias = (heads + 2 * kv) * hd + h if mc.get("attention_bias") else \
+        (heads + 2 * kv) * hd if mc.get("model_type") == "qwen2" else 0
+    layer = h * heads * hd + 2 * h * kv * hd + heads * hd * h + bias + 3 * h * inter + 2 * h
+    head = 0 if mc.get("tie_word_embeddings", True) else V * h
+    return (V * h + head + L * layer + h) * dtype_bytes
+
+
+def engine_kv_bytes(cfg, mc: dict, default_max: int | None = None) -> int:
+    """A KV cache holding every sequence the engine runs at once at full length (max_prompt_length +
+    max_completion_length): vLLM then never preempts one, and holds nothing it could not use."""
+    g = cfg.generation
+    return kv_bytes_per_token(mc, _dtype_bytes(cfg)) * sequences_in_engine(cfg, default_max) * \
+        (g.max_prompt_length + g.max_completion_length)
+
+
+def engine_bytes(cfg, mc: dict | None, total: int) -> int:
+    """What one rollout engine takes of a GPU of `total` bytes: the share set in `vllm_gpu_memory_utilization`, or
+    (auto) its weights, engine_kv_bytes and ENGINE_OVERHEAD; auto of a model whose shape is unknown: 0.3."""
+    share = cfg.cluster.vllm_gpu_memory_utilization
+    if share != "auto":
+        return int(share * total)
+    try:
+        return weight_bytes(mc, _dtype_bytes(cfg)) + engine_kv_bytes(cfg, mc) + ENGINE_OVERHEAD
+    except (KeyError, TypeError, ZeroDivisionError):
+        return int(SHARE_WITHOUT_SHAPE * total)
+
+
+def _dtype_bytes(cfg) -> int:
+    return 4 if cfg.model.dtype == "float32" else 2

@@ -1,0 +1,39 @@
+"""cluster.vllm_gpu_memory_utilization: auto on a real GPU: vLLM starts with the KV cache Tandem sized, holds every
+sequence the controller keeps in it at full length, takes no more of the device than the learner counts it at, and
+samples. CUDA only (this CPU's engine sizes its cache by cpu_kv_cache_bytes): bench/device/cuda_tests.sh runs it on
+the GPU machine."""
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: bench/device/cuda_tests.sh")]
+
+
+def test_an_auto_engine_holds_what_the_controller_keeps_in_it_within_what_the_learner_counts(tiny_model):
+    from tandem.core.checks import language_model_config
+    from tandem.core.config import JobConfig
+    from tandem.core.engine_memory import engine_bytes, engine_kv_bytes, sequences_in_engine
+    from tandem.rollout.engines.base import Sampling
+    from tandem.rollout.worker import build_engine, gpu_memory_args
+
+    cfg = JobConfig.from_dict({
+        "model": {"path": tiny_model, "dtype": "bfloat16", "lora": {"r": 8}}, "data": {"path": "d.jsonl"},
+        "rewards": ["r:f"], "generation": {"max_prompt_length": 32, "max_completion_length": 96},
+        "batch": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_generations": 8},
+        "cluster": {"rollout_resources": {"num_gpus": 1}, "vllm_enforce_eager": True}})
+    mc = language_model_config(tiny_model)
+    args = gpu_memory_args(cfg)
+    assert args["gpu_kv_cache_bytes"] == engine_kv_bytes(cfg, mc)
+    free0, total = torch.cuda.mem_get_info()
+    engine = build_engine(cfg, seed=0)
+    try:
+        used = free0 - torch.cuda.mem_get_info()[0]
+        assert 0 < used <= engine_bytes(cfg, mc, total), (used, engine_bytes(cfg, mc, total))
+        cache = engine.llm.llm_engine.vllm_config.cache_config
+        assert cache.num_gpu_blocks * cache.block_size >= sequences_in_engine(cfg) * 128, cache
+        out = engine.generate([np.array([1, 2, 3], dtype=np.int32)], Sampling(n=8, max_tokens=16, seed=0))
+        assert len(out[0]) == 8 and all(len(c.tokens) >= 1 for c in out[0])
+    finally:
+        engine.close()

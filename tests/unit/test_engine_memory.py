@@ -1,0 +1,90 @@
+"""cluster.vllm_gpu_memory_utilization: auto. The engine's weights and KV arithmetic against what transformers' own
+models hold (their parameters, their KV cache after a forward), and the sizes a job asks for written out by hand."""
+
+import pytest
+import torch
+
+from tandem.core.engine_memory import (
+    ENGINE_OVERHEAD,
+    GIB,
+    engine_bytes,
+    engine_kv_bytes,
+    kv_bytes_per_token,
+    sequences_in_engine,
+    weight_bytes,
+)
+
+QWEN2 = dict(model_type="qwen2", hidden_size=96, num_attention_heads=4, num_key_value_heads=2, intermediate_size=160,
+             num_hidden_layers=3, vocab_size=300)
+
+
+def _model(kind, tie, **kw):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    shape = {k: v for k, v in QWEN2.items() if k != "model_type"} | kw
+    conf = (Qwen2Config if kind == "qwen2" else LlamaConfig)(**shape, tie_word_embeddings=tie)
+    return (Qwen2ForCausalLM if kind == "qwen2" else LlamaForCausalLM)(conf)
+
+
+@pytest.mark.parametrize("kind,tie,extra", [("qwen2", True, {}), ("qwen2", False, {}), ("llama", False, {}),
+                                            ("llama", True, {"attention_bias": True}),
+                                            ("llama", False, {"head_dim": 32})])
+def test_weight_bytes_are_the_models_parameters(kind, tie, extra):
+    model = _model(kind, tie, **extra)
+    n = sum(p.numel() for p in model.parameters())  # tied weights counted once
+    assert weight_bytes(model.config.to_dict(), 2) == 2 * n
+
+
+def test_kv_bytes_per_token_are_what_the_models_cache_holds():
+    model = _model("llama", False, head_dim=32).eval()
+    T = 7
+    with torch.no_grad():
+        cache = model(input_ids=torch.randint(0, 300, (1, T)), use_cache=True).past_key_values
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert kv_bytes_per_token(model.config.to_dict(), 4) * T == held
+
+
+def job(gpus=1.0, share="auto", **cluster):
+    from tandem.core.config import JobConfig
+
+    return JobConfig.from_dict({
+        "model": {"path": "m", "dtype": "bfloat16"}, "data": {"path": "d.jsonl"}, "rewards": ["r:f"],
+        "generation": {"max_prompt_length": 64, "max_completion_length": 2048},
+        "batch": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_generations": 8},
+        "cluster": {"vllm_gpu_memory_utilization": share, "rollout_resources": {"num_gpus": gpus}, **cluster}})
+
+
+QWEN_1_5B = {"hidden_size": 1536, "num_attention_heads": 12, "num_key_value_heads": 2, "intermediate_size": 8960,
+             "num_hidden_layers": 28, "vocab_size": 151936, "model_type": "qwen2", "tie_word_embeddings": True}
+
+
+def test_auto_holds_every_sequence_the_controller_keeps_in_the_engine_at_full_length():
+    # on a GPU: 256 // 8 = 32 prompts in flight, 256 sequences of 64 + 2,048 tokens, 28 layers x 2 x 2 heads x 128 x 2 B
+    assert sequences_in_engine(job()) == 256
+    kv = engine_kv_bytes(job(), QWEN_1_5B)
+    assert kv == 256 * 2112 * (28 * 2 * 2 * 128 * 2)  # ~14.4 GiB
+    weights = 2 * (151936 * 1536 + 28 * (1536 * 1536 + 2 * 1536 * 256 + 1536 * 1536 + 1536 + 2 * 256
+                                         + 3 * 1536 * 8960 + 2 * 1536) + 1536)  # ~1.54B parameters
+    assert engine_bytes(job(), QWEN_1_5B, 140 * GIB) == weights + kv + ENGINE_OVERHEAD
+    assert 20 * GIB < weights + kv + ENGINE_OVERHEAD < 21 * GIB  # against TRL's 0.3 of an H200: 42 GiB
+    # fewer prompts in flight, or vLLM capped lower: fewer sequences
+    assert sequences_in_engine(job(rollout_prompts_in_flight=4)) == 32
+    assert sequences_in_engine(job(vllm_max_num_seqs=100)) == 96  # 12 whole groups
+    capped = job(vllm_max_num_seqs=100, rollout_prompts_in_flight=20)  # 160 asked, vLLM runs 100, queues the rest
+    assert engine_kv_bytes(capped, QWEN_1_5B) == 100 * 2112 * 28 * 2 * 2 * 128 * 2
+    # a share set by hand; auto of a model whose shape is unknown: TRL's 0.3
+    assert engine_bytes(job(share=0.5), QWEN_1_5B, 140 * GIB) == 70 * GIB
+    assert engine_bytes(job(), {"hidden_size": 1536}, 140 * GIB) == int(0.3 * 140 * GIB)
+
+
+def test_a_learner_beside_an_auto_engine_counts_what_the_engine_will_take():
+    from tandem.learner.memory import forward_layout, learner_budget
+
+    total, held = 140 * GIB, 4 * GIB
+    shared = job(0.4, learner_resources={"num_gpus": 0.4})
+    room = learner_budget(total, held, engine_bytes(shared, QWEN_1_5B, total))
+    assert room == total - (engine_bytes(shared, QWEN_1_5B, total)) - held - 2 * GIB
+    # ~20.5 GiB for the engine leaves ~113 GiB: the cap of tokens per forward, no checkpointing
+    from tandem.learner.memory import MAX_AUTO_TOKENS
+
+    assert forward_layout(shared, QWEN_1_5B, True, (total, held)) == (MAX_AUTO_TOKENS, False)
