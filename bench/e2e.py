@@ -73,6 +73,12 @@ WORKLOADS.update({
 })
 
 
+def on_gpu_machine() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def on_gpu(workload: str) -> bool:
     return not workload.startswith("cpu")
 
@@ -100,15 +106,17 @@ def prepare(work: Path, wl: dict) -> dict:
         build_tiny_model(model, layers=m["layers"], hidden=m["hidden"], heads=m["heads"], kv_heads=m["kv_heads"],
                          intermediate=m["intermediate"], vocab=m["vocab"], tie_word_embeddings=m["tie"],
                          dtype=m["dtype"], seed=0,
-                         max_position_embeddings=max(2048, 2 * wl["max_tokens"]))  # vLLM: prompt + completion fit
+                         max_position_embeddings=max(2048, 2 * wl["max_tokens"]),  # vLLM: prompt + completion fit
+                         device="cuda" if on_gpu_machine() else "cpu")
     if wl.get("longtail") and not (model / "longtail.json").is_file():
         longtail_warm_up(model, wl)
+    if on_gpu_machine():
         import gc
 
         import torch
 
-        gc.collect()  # the SFT's weights and optimizer state leave this process's CUDA cache: the candidate's
-        torch.cuda.empty_cache()  # engine counts free memory (session 16: 14.6 of 139.8 GiB free without this)
+        gc.collect()  # the build's and the SFT's tensors leave this process's CUDA cache: the candidate's engine
+        torch.cuda.empty_cache()  # counts free memory (session 16: 14.6 of 139.8 GiB free without this)
     data = work / "prompts.jsonl"
     n = wl["prompts"] * (wl["steps"] + wl["warmup"] + 2)
     data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"write a number {i}"}]}) + "\n"

@@ -47,6 +47,9 @@ MAX_AUTO_TOKENS = 16384
 # Below this many tokens a forward without checkpointing is slower than a checkpointed one of MAX_AUTO_TOKENS (there:
 # ~5k tokens 0.234 learner/mfu, ~20k checkpointed 0.285): auto checkpoints rather than shrink the forwards further.
 MIN_FAST_TOKENS = 8192
+# auto's activations take at most this share of the device, whatever is free: leaner than TRL's layout beside the same
+# engine (issue 30's target: peak memory <= TRL's), and at 1.5B still the MAX_AUTO_TOKENS forwards (~34 GiB).
+ACTIVATION_SHARE = 0.25
 
 
 def forward_layout(cfg, mc: dict | None, packed: bool, device: tuple[int, int] | None) -> tuple[int | None, bool]:
@@ -56,7 +59,7 @@ def forward_layout(cfg, mc: dict | None, packed: bool, device: tuple[int, int] |
     after the model is placed, None off a GPU.
 
     auto tokens: on a GPU the most tokens whose activations fit 3/4 of what is left (less what a sharing engine takes,
-    `learner_budget`) without checkpointing, at most MAX_AUTO_TOKENS; where not even one sequence of
+    `learner_budget`) and ACTIVATION_SHARE of the device without checkpointing, at most MAX_AUTO_TOKENS; where not even one sequence of
     max_prompt_length + max_completion_length fits, or fewer than MIN_FAST_TOKENS, with checkpointing (auto) as many
     as fit that way. Off a GPU
     (or of a model whose shape is unknown) a micro-batch's worst case: per_device_train_batch_size sequences at
@@ -78,7 +81,7 @@ def forward_layout(cfg, mc: dict | None, packed: bool, device: tuple[int, int] |
     shares = m.fast_inference and (c.vllm_mode == "colocate" or 0 < c.rollout_resources.num_gpus < 1)
     room = learner_budget(*device, engine_bytes(cfg, mc, device[0]) if shares else 0)
     if packed and want == "auto":
-        fits = lambda per: min(max(int(0.75 * room // per), 0), MAX_AUTO_TOKENS)
+        fits = lambda per: min(max(int(min(0.75 * room, ACTIVATION_SHARE * device[0]) // per), 0), MAX_AUTO_TOKENS)
         if ck is False or (ck == "auto" and fits(full) >= max(seq, MIN_FAST_TOKENS)):
             return max(fits(full), seq), False
         return max(fits(kept), seq), True

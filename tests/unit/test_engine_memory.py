@@ -78,13 +78,16 @@ def test_auto_holds_every_sequence_the_controller_keeps_in_the_engine_at_full_le
 
 
 def test_a_learner_beside_an_auto_engine_counts_what_the_engine_will_take():
-    from tandem.learner.memory import forward_layout, learner_budget
+    from tandem.learner.memory import activation_bytes_per_token, forward_layout, learner_budget
 
     total, held = 140 * GIB, 4 * GIB
+    per_token = activation_bytes_per_token(QWEN_1_5B, 2)
     shared = job(0.4, learner_resources={"num_gpus": 0.4})
     room = learner_budget(total, held, engine_bytes(shared, QWEN_1_5B, total))
     assert room == total - (engine_bytes(shared, QWEN_1_5B, total)) - held - 2 * GIB
-    # ~20.5 GiB for the engine leaves ~113 GiB: the cap of tokens per forward, no checkpointing
-    from tandem.learner.memory import MAX_AUTO_TOKENS
-
-    assert forward_layout(shared, QWEN_1_5B, True, (total, held)) == (MAX_AUTO_TOKENS, False)
+    # ~20.5 GiB for the engine leaves ~111 GiB for activations, against ~68 GiB beside TRL's 0.3: each binds to its
+    # share of the device only past it
+    less = job(0.4, learner_resources={"num_gpus": 0.4}, rollout_prompts_in_flight=200)  # 1,600 sequences: ~96 GiB
+    assert forward_layout(less, QWEN_1_5B, True, (total, held)) == \
+        (int(0.75 * learner_budget(total, held, engine_bytes(less, QWEN_1_5B, total)) // per_token), False)
+    assert forward_layout(shared, QWEN_1_5B, True, (total, held)) == (int(0.25 * total // per_token), False)

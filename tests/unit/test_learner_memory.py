@@ -59,14 +59,14 @@ QWEN_1_5B = {"hidden_size": 1536, "num_attention_heads": 12, "num_key_value_head
              "num_hidden_layers": 28}
 
 
-def job(rollout_gpus, per=8, mode="server", **model):
+def job(rollout_gpus, per=8, mode="server", share=0.6, **model):
     from tandem.core.config import JobConfig
 
     return JobConfig.from_dict({
         "model": {"path": "m", "lora": {"r": 16}, **model}, "data": {"path": "d.jsonl"}, "rewards": ["r:f"],
         "generation": {"max_prompt_length": 64, "max_completion_length": 2048},
         "batch": {"per_device_train_batch_size": per, "gradient_accumulation_steps": 1, "num_generations": 8},
-        "cluster": {"vllm_mode": mode, "vllm_gpu_memory_utilization": 0.6,
+        "cluster": {"vllm_mode": mode, "vllm_gpu_memory_utilization": share,
                     "rollout_resources": {"num_gpus": rollout_gpus}, "learner_resources": {"num_gpus": 0.4}}})
 
 
@@ -88,17 +88,31 @@ def test_auto_checkpointing_reads_the_job_the_engine_share_and_an_unknown_shape(
 
 
 def test_auto_tokens_per_forward_fill_what_is_left_and_checkpoint_only_where_one_sequence_cannot_fit():
-    from tandem.learner.memory import MAX_AUTO_TOKENS, MIN_FAST_TOKENS, checkpointed_bytes_per_token, forward_layout
+    from tandem.learner.memory import (
+        ACTIVATION_SHARE,
+        MAX_AUTO_TOKENS,
+        MIN_FAST_TOKENS,
+        checkpointed_bytes_per_token,
+        forward_layout,
+    )
 
     mc, held = QWEN_1_5B, 4 * GIB
     full, kept = activation_bytes_per_token(mc, 2), checkpointed_bytes_per_token(mc, 2)
     assert kept == 1536 * 28 * 2 + full // 28
-    # one H200 beside an engine taking 0.6: ~50 GiB left, 3/4 of it is ~15k tokens without checkpointing
+    # one H200 beside an engine taking 0.6: 50 GiB left, 3/4 of it more than ACTIVATION_SHARE of the device (35 GiB):
+    # ~14k tokens without checkpointing, alone on the H200 too
     room = 140 * GIB - int(140 * GIB * 0.6) - held - 2 * GIB
+    assert 0.75 * room > ACTIVATION_SHARE * 140 * GIB
     tokens, ck = forward_layout(job(0.4), mc, True, (140 * GIB, held))
-    assert (tokens, ck) == (int(0.75 * room // full), False) and 14_000 < tokens < 16_000
-    # alone on the H200: more would fit, the cap holds
-    assert forward_layout(job(1), mc, True, (140 * GIB, held)) == (MAX_AUTO_TOKENS, False)
+    assert (tokens, ck) == (int(ACTIVATION_SHARE * 140 * GIB // full), False) and 14_000 < tokens < 15_000
+    assert forward_layout(job(1), mc, True, (140 * GIB, held)) == (tokens, False)
+    # an engine taking 0.7: 3/4 of the 36 GiB left binds, ~10k tokens
+    room = 140 * GIB - int(140 * GIB * 0.7) - held - 2 * GIB
+    assert forward_layout(job(0.4, share=0.7), mc, True, (140 * GIB, held)) == (int(0.75 * room // full), False)
+    # a model of half the width: more would fit, the cap holds
+    half = {**mc, "hidden_size": 768, "intermediate_size": 4480}
+    assert ACTIVATION_SHARE * 140 * GIB // activation_bytes_per_token(half, 2) > MAX_AUTO_TOKENS
+    assert forward_layout(job(0.4), half, True, (140 * GIB, held)) == (MAX_AUTO_TOKENS, False)
     # a 24 GiB card beside the engine: 3.6 GiB left, not one 2,112-token sequence without checkpointing
     room = 24 * GIB - int(24 * GIB * 0.6) - held - 2 * GIB
     assert 0.75 * room < full * 2112
