@@ -85,8 +85,8 @@ def test_a_learner_beside_an_auto_engine_counts_what_the_engine_will_take():
     shared = job(0.4, learner_resources={"num_gpus": 0.4})
     room = learner_budget(total, held, engine_bytes(shared, QWEN_1_5B, total))
     assert room == total - (engine_bytes(shared, QWEN_1_5B, total)) - held - 2 * GIB
-    # ~20.5 GiB for the engine leaves ~111 GiB for activations, against ~68 GiB beside TRL's 0.3: each binds to its
-    # share of the device only past it
+    # the engine's ~20.5 GiB leaves ~111 GiB: a quarter of the device binds (~14k tokens); an engine holding 1,600
+    # sequences leaves less: 3/4 of the rest binds
     less = job(0.4, learner_resources={"num_gpus": 0.4}, rollout_prompts_in_flight=200)  # 1,600 sequences: ~96 GiB
     assert forward_layout(less, QWEN_1_5B, True, (total, held)) == \
         (int(0.75 * learner_budget(total, held, engine_bytes(less, QWEN_1_5B, total)) // per_token), False)
