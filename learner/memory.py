@@ -47,9 +47,10 @@ MAX_AUTO_TOKENS = 16384
 # Below this many tokens a forward without checkpointing is slower than a checkpointed one of MAX_AUTO_TOKENS (there:
 # ~5k tokens 0.234 learner/mfu, ~20k checkpointed 0.285): auto checkpoints rather than shrink the forwards further.
 MIN_FAST_TOKENS = 8192
-# auto's activations take at most this share of the device, whatever is free: leaner than TRL's layout beside the same
-# engine (issue 30's target: peak memory <= TRL's), and at 1.5B still the MAX_AUTO_TOKENS forwards (~34 GiB).
-ACTIVATION_SHARE = 0.25
+# auto's activations take at most this share of the device, whatever is free, for a peak at or below TRL's beside the
+# same workload (issue 30's target): measured at 0.25, Tandem 59.4 GiB against TRL's 55.4 at 1.5B (14k-token forwards),
+# 59.3 against 78.9 at 7B (checkpointed; bench/results/e2e_gpu_scale.md). 0.2 takes ~7 GiB less on an H200.
+ACTIVATION_SHARE = 0.2
 
 
 def forward_layout(cfg, mc: dict | None, packed: bool, device: tuple[int, int] | None) -> tuple[int | None, bool]:

@@ -24,9 +24,14 @@ def prompts_in_flight(cfg) -> int:
 
 
 def sequences_in_engine(cfg, default_max: int | None = None) -> int:
-    """The most sequences one engine runs at once: the controller's prompts in flight times the group size, no more
-    than `vllm_max_num_seqs` (or `default_max` where that is not set; vLLM queues the rest)."""
-    seqs = prompts_in_flight(cfg) * cfg.batch.num_generations
+    """The most sequences one engine runs at once: the controller's prompts in flight, and never more than
+    max_staleness + 1 cycles' unique_prompts (what the controller hands out ahead: services/orchestrator/
+    controller.py), times the group size; no more than `vllm_max_num_seqs` (or `default_max` where that is not set;
+    vLLM queues the rest)."""
+    from tandem.core.plan import BatchPlan
+
+    ahead = BatchPlan.from_config(cfg).unique_prompts * (cfg.cluster.max_staleness + 1)
+    seqs = min(prompts_in_flight(cfg), ahead) * cfg.batch.num_generations
     m = cfg.cluster.vllm_max_num_seqs or default_max
     return min(seqs, m) if m else seqs
 

@@ -50,7 +50,7 @@ def job(gpus=1.0, share="auto", **cluster):
     return JobConfig.from_dict({
         "model": {"path": "m", "dtype": "bfloat16"}, "data": {"path": "d.jsonl"}, "rewards": ["r:f"],
         "generation": {"max_prompt_length": 64, "max_completion_length": 2048},
-        "batch": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_generations": 8},
+        "batch": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 16, "num_generations": 8},
         "cluster": {"vllm_gpu_memory_utilization": share, "rollout_resources": {"num_gpus": gpus}, **cluster}})
 
 
@@ -59,18 +59,22 @@ QWEN_1_5B = {"hidden_size": 1536, "num_attention_heads": 12, "num_key_value_head
 
 
 def test_auto_holds_every_sequence_the_controller_keeps_in_the_engine_at_full_length():
-    # on a GPU: 256 // 8 = 32 prompts in flight, 256 sequences of 64 + 2,048 tokens, 28 layers x 2 x 2 heads x 128 x 2 B
-    assert sequences_in_engine(job()) == 256
-    kv = engine_kv_bytes(job(), QWEN_1_5B)
+    # 16 prompts a cycle (8 x 16 / 8); on a GPU 256 // 8 = 32 prompts in flight at most; the controller hands out
+    # max_staleness + 1 cycles: 16 prompts at k=0, 32 at k=1, still 32 at k=3
+    assert [sequences_in_engine(job(max_staleness=k)) for k in (0, 1, 3)] == [128, 256, 256]
+    # 256 sequences of 64 + 2,048 tokens, 28 layers x 2 x 2 heads x 128 x 2 B
+    k1 = job(max_staleness=1)
+    kv = engine_kv_bytes(k1, QWEN_1_5B)
     assert kv == 256 * 2112 * (28 * 2 * 2 * 128 * 2)  # ~14.4 GiB
+    assert engine_kv_bytes(job(), QWEN_1_5B) == kv // 2
     weights = 2 * (151936 * 1536 + 28 * (1536 * 1536 + 2 * 1536 * 256 + 1536 * 1536 + 1536 + 2 * 256
                                          + 3 * 1536 * 8960 + 2 * 1536) + 1536)  # ~1.54B parameters
-    assert engine_bytes(job(), QWEN_1_5B, 140 * GIB) == weights + kv + ENGINE_OVERHEAD
+    assert engine_bytes(k1, QWEN_1_5B, 140 * GIB) == weights + kv + ENGINE_OVERHEAD
     assert 20 * GIB < weights + kv + ENGINE_OVERHEAD < 21 * GIB  # against TRL's 0.3 of an H200: 42 GiB
     # fewer prompts in flight, or vLLM capped lower: fewer sequences
     assert sequences_in_engine(job(rollout_prompts_in_flight=4)) == 32
     assert sequences_in_engine(job(vllm_max_num_seqs=100)) == 96  # 12 whole groups
-    capped = job(vllm_max_num_seqs=100, rollout_prompts_in_flight=20)  # 160 asked, vLLM runs 100, queues the rest
+    capped = job(vllm_max_num_seqs=100, rollout_prompts_in_flight=20)  # 128 asked, vLLM runs 100, queues the rest
     assert engine_kv_bytes(capped, QWEN_1_5B) == 100 * 2112 * 28 * 2 * 2 * 128 * 2
     # a share set by hand; auto of a model whose shape is unknown: TRL's 0.3
     assert engine_bytes(job(share=0.5), QWEN_1_5B, 140 * GIB) == 70 * GIB
@@ -78,16 +82,17 @@ def test_auto_holds_every_sequence_the_controller_keeps_in_the_engine_at_full_le
 
 
 def test_a_learner_beside_an_auto_engine_counts_what_the_engine_will_take():
-    from tandem.learner.memory import activation_bytes_per_token, forward_layout, learner_budget
+    from tandem.learner.memory import ACTIVATION_SHARE, activation_bytes_per_token, forward_layout, learner_budget
 
     total, held = 140 * GIB, 4 * GIB
     per_token = activation_bytes_per_token(QWEN_1_5B, 2)
     shared = job(0.4, learner_resources={"num_gpus": 0.4})
     room = learner_budget(total, held, engine_bytes(shared, QWEN_1_5B, total))
     assert room == total - (engine_bytes(shared, QWEN_1_5B, total)) - held - 2 * GIB
-    # the engine's ~20.5 GiB leaves ~111 GiB: a quarter of the device binds (~14k tokens); an engine holding 1,600
+    # the engine's ~13 GiB (k=0) leaves ~119 GiB: a fifth of the device binds (~11k tokens); an engine holding 1,760
     # sequences leaves less: 3/4 of the rest binds
-    less = job(0.4, learner_resources={"num_gpus": 0.4}, rollout_prompts_in_flight=200)  # 1,600 sequences: ~96 GiB
+    less = job(0.4, learner_resources={"num_gpus": 0.4}, rollout_prompts_in_flight=220,
+               max_staleness=13)  # 1,760 sequences: ~105 GiB
     assert forward_layout(less, QWEN_1_5B, True, (total, held)) == \
         (int(0.75 * learner_budget(total, held, engine_bytes(less, QWEN_1_5B, total)) // per_token), False)
-    assert forward_layout(shared, QWEN_1_5B, True, (total, held)) == (int(0.25 * total // per_token), False)
+    assert forward_layout(shared, QWEN_1_5B, True, (total, held)) == (int(ACTIVATION_SHARE * total // per_token), False)
