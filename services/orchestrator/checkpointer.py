@@ -10,6 +10,7 @@ import hashlib
 import json
 import re
 import shutil
+import zipfile
 from pathlib import Path
 
 from tandem.core.config import JobConfigError
@@ -67,8 +68,8 @@ def fingerprint_changes(saved: dict, now: dict) -> list[str]:
 
 
 def readable(ckpt: Path) -> str | None:
-    """Why a checkpoint that looks complete cannot be resumed from (a cut tandem.json, a missing part),
-    or None."""
+    """Why a checkpoint that looks complete cannot be resumed from (a cut tandem.json, a missing part, a state file
+    cut short: torch.save writes a zip whose index is its last bytes), or None. Reads no tensor."""
     try:
         json.loads((ckpt / "tandem.json").read_text())
     except (OSError, ValueError) as e:
@@ -76,6 +77,11 @@ def readable(ckpt: Path) -> str | None:
     for part in ("state", "rng_rank0.safetensors"):
         if not (ckpt / part).exists():
             return f"{ckpt / part}: missing"
+    for pt in sorted((ckpt / "state").rglob("*.pt")):
+        try:
+            zipfile.ZipFile(pt).close()
+        except (OSError, zipfile.BadZipFile) as e:
+            return f"{pt}: cut short or not written by torch.save ({e})"
     return None
 
 
@@ -151,7 +157,17 @@ class Checkpointer:
                     return ck, meta
             passed.append((ck, why))
         if passed:
-            raise JobConfigError(f"checkpoint.resume: no checkpoint in {self.root} can be resumed from: " +
-                                 "; ".join(f"{ck.name} ({why})" for ck, why in passed) +
-                                 "; allowed: repair or remove them, or logging.overwrite_output_dir: true to start over")
+            raise self._refusal(passed)
         return None
+
+    def refuse_if_none_readable(self) -> None:
+        """Before any actor starts: where checkpoints exist and none looks readable, the refusal `resume` would give
+        after starting them all."""
+        found = self.candidates()
+        if found and all(why for _, why in found):
+            raise self._refusal(found)
+
+    def _refusal(self, passed: list[tuple[Path, str]]) -> JobConfigError:
+        return JobConfigError(f"checkpoint.resume: no checkpoint in {self.root} can be resumed from: " +
+                              "; ".join(f"{ck.name} ({why})" for ck, why in passed) +
+                              "; allowed: repair or remove them, or logging.overwrite_output_dir: true to start over")

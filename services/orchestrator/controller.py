@@ -150,6 +150,8 @@ class Controller:
         p.total_cycles = (-(-cfg.batch.max_steps // self.plan.optimizer_steps_per_cycle) if cfg.batch.max_steps > 0
                           else max(int(cfg.batch.num_train_epochs * rows) // U, 1))
         p.total_steps = p.total_cycles * self.plan.optimizer_steps_per_cycle
+        if cfg.checkpoint.resume:
+            self.checkpoints.refuse_if_none_readable()  # in a second, not after every actor started
         self._wait_for_nodes(resource_wait_s)
         self._start_actors()
         self.log.trackers = Trackers(cfg)

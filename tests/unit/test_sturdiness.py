@@ -63,6 +63,30 @@ def test_an_unreadable_newest_checkpoint_is_named_and_an_older_one_used(job_file
     assert Checkpointer.set_aside(root / "cycle-000006").name == "cycle-000006.refused-2"
 
 
+def test_a_state_file_cut_short_is_unreadable_and_none_readable_refuses_before_anything_starts(job_files, tmp_path):
+    root = tmp_path / "ck"
+    cfg = cfg_of(job_files, checkpoint={"dir": str(root)})
+    for name in ("cycle-000002", "cycle-000004"):
+        (root / name / "state" / "global_step2").mkdir(parents=True)
+        (root / name / "tandem.json").write_text(json.dumps({"version": 1, "steps": 2}))
+        (root / name / "rng_rank0.safetensors").write_bytes(b"x")
+        torch.save({"module": {"w": torch.ones(64)}}, root / name / "state" / "global_step2" / "mp_rank_00_model_states.pt")
+    Checkpointer(cfg).refuse_if_none_readable()  # both intact: nothing to refuse
+    cut = root / "cycle-000004" / "state" / "global_step2" / "mp_rank_00_model_states.pt"
+    cut.write_bytes(cut.read_bytes()[:200])
+    assert Checkpointer(cfg).latest() == root / "cycle-000002"
+    Checkpointer(cfg).refuse_if_none_readable()  # an older one still looks readable: the resume will try it
+    (root / "cycle-000002" / "tandem.json").write_text('{"version": 2, "ste')
+    with pytest.raises(JobConfigError) as e:
+        Checkpointer(cfg).refuse_if_none_readable()
+    msg = str(e.value)
+    assert msg.startswith(f"checkpoint.resume: no checkpoint in {root} can be resumed from: cycle-000004 ({cut}: cut "
+                          "short or not written by torch.save"), msg
+    assert "cycle-000002 (" in msg and "allowed: repair or remove them" in msg
+    Checkpointer(cfg_of(job_files, checkpoint={"dir": str(tmp_path / "none")})) \
+        .refuse_if_none_readable()  # no checkpoint at all: a fresh start, nothing refused
+
+
 def test_resume_cuts_metrics_back_to_the_checkpoint_and_drops_a_cut_line(tmp_path):
     p = tmp_path / "metrics.jsonl"
     p.write_text("".join(json.dumps({"step": s, "reward": 0.1}) + "\n" for s in range(1, 7)) + '{"step": 7, "re')
