@@ -30,11 +30,15 @@ LEARNER_METHODS = ("placement", "setup", "train", "export_adapter", "save_checkp
                    "trainable_parameters")
 
 
-def forward_learner_methods(cls, holder: str, prefix: str = ""):
+def forward_learner_methods(cls, holder: str, prefix: str = "", around: str | None = None):
     """cls gains prefix + name for each of LEARNER_METHODS that it does not define itself, calling that method of
-    the learner it holds in attribute `holder`. -> cls."""
+    the learner it holds in attribute `holder` (inside the context manager its method `around` returns, where
+    given). -> cls."""
     def forward(name: str):
         def call(self, *args):
+            if around is not None:
+                with getattr(self, around)():
+                    return getattr(getattr(self, holder), name)(*args)
             return getattr(getattr(self, holder), name)(*args)
         call.__name__ = call.__qualname__ = prefix + name
         return call

@@ -2,13 +2,17 @@
 (TRL's colocate mode, verl's hybrid engine). One process fewer importing torch, transformers, the model
 code and Ray's core worker: on the CPU benchmark's job 1.61 -> 1.36 GB of PSS at 8 completions.
 The engine loop samples in its thread while the learner trains in another of the same process: their
-kernels release the GIL, their host work shares it.
+kernels release the GIL, their host work shares it. On a GPU the learner's kernels go to a CUDA stream of their
+own: one process is one CUDA context, where a learner kernel can run beside the engine's (two processes' kernels
+only take turns: the 7B run of bench/results/e2e_gpu_scale.md, session 18, engine and learner each at half speed).
 
 Everything else is the server mode's: the rollout pool feeds this actor as any worker (slot 0), the
 LearnerGroup drives its learner through the `learner_*` methods. Its death is the learner's: the job
 restarts from its newest checkpoint (cluster.max_restarts); a replacement for slot 0 is a plain worker."""
 
 from __future__ import annotations
+
+import contextlib
 
 from tandem.core.checks import colocated_request
 from tandem.core.compat import learner_env_vars, rollout_env_vars
@@ -28,15 +32,34 @@ class ColocatedWorker(RolloutWorker):
     def __init__(self, cfg, *learner_args):
         super().__init__(cfg, 0)
         self._learner = LearnerActor(cfg, *learner_args)
+        self._learner_stream = None
 
     def learner_setup(self) -> int:
         # after the engine: vLLM and DeepSpeed each set up torch.distributed's default group if none exists,
         # and two threads doing it at once collide (one process group of world size 1 serves both)
         self._await_ready()
-        return self._learner.setup()
+        import torch
+
+        if torch.cuda.is_available():
+            self._learner_stream = torch.cuda.Stream()  # non-blocking: no implicit wait on the engine's
+        with self._on_learner_stream():
+            return self._learner.setup()
+
+    @contextlib.contextmanager
+    def _on_learner_stream(self):
+        """The learner's work on its own stream, finished before the call returns: what it hands over (an
+        adapter, a checkpoint) is complete, and nothing of it runs on when the engine's stream reads it."""
+        if self._learner_stream is None:
+            yield
+            return
+        import torch
+
+        with torch.cuda.stream(self._learner_stream):
+            yield
+        self._learner_stream.synchronize()
 
 
-forward_learner_methods(ColocatedWorker, holder="_learner", prefix=PREFIX)
+forward_learner_methods(ColocatedWorker, holder="_learner", prefix=PREFIX, around="_on_learner_stream")
 
 
 def colocated_actor_class(cfg):

@@ -266,3 +266,30 @@ def test_a_checkpoint_of_the_flat_layout_loads_into_the_parts():
     f = EpochRecord(10, "filtered")
     f.load(st["buffer"]["filtered"])
     assert (0, 5) in f
+
+
+def test_forwarded_learner_calls_run_inside_the_holders_context():
+    """The colocated actor's learner calls run on the learner's CUDA stream: forward_learner_methods' `around`."""
+    import contextlib
+
+    from tandem.learner.group import LEARNER_METHODS, forward_learner_methods
+
+    class Inner:
+        def train(self, x):
+            return ("trained", x, list(seen))
+
+    seen = []
+
+    class Holder:
+        def __init__(self):
+            self.inner = Inner()
+
+        @contextlib.contextmanager
+        def ctx(self):
+            seen.append("in")
+            yield
+            seen.append("out")
+
+    forward_learner_methods(Holder, holder="inner", prefix="learner_", around="ctx")
+    assert all(hasattr(Holder, "learner_" + m) for m in LEARNER_METHODS)
+    assert Holder().learner_train(3) == ("trained", 3, ["in"]) and seen == ["in", "out"]
