@@ -59,10 +59,10 @@ def forward_layout(cfg, mc: dict | None, packed: bool, device: tuple[int, int] |
     sequences (model.padding_free, and the model took it); `device`: (total, allocated) bytes of the learner's GPU
     after the model is placed, None off a GPU.
 
-    auto tokens: on a GPU the most tokens whose activations fit 3/4 of what is left (less what a sharing engine takes,
-    `learner_budget`) and ACTIVATION_SHARE of the device without checkpointing, at most MAX_AUTO_TOKENS; where not even one sequence of
-    max_prompt_length + max_completion_length fits, or fewer than MIN_FAST_TOKENS, with checkpointing (auto) as many
-    as fit that way. Off a GPU
+    auto tokens: on a GPU the most tokens whose activations fit both 3/4 of what is left (less what a sharing engine
+    takes, `learner_budget`) and ACTIVATION_SHARE of the device without checkpointing, at most MAX_AUTO_TOKENS; where
+    not even one sequence of max_prompt_length + max_completion_length fits, or fewer than MIN_FAST_TOKENS, with
+    checkpointing (auto) as many as fit that way. Off a GPU
     (or of a model whose shape is unknown) a micro-batch's worst case: per_device_train_batch_size sequences at
     full length, so a forward never holds more than the plan's largest micro-batch would.
     auto checkpointing: on where the largest forward's activations would not fit (off a GPU: off; shape unknown:
