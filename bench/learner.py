@@ -52,13 +52,14 @@ def generation_batch(n: int, wl, vocab: int, seed: int = 0):
 
 
 def long_tail_batch(n: int, wl, vocab: int, seed: int = 0):
-    """Groups whose completion lengths follow the workload's long tail (issue 30): the warm-up's distribution."""
+    """Groups whose completion lengths follow the workload's long tail (issue 30): the warm-up's distribution; of a
+    workload without one (7b), every completion at the cap, as its untaught model samples them."""
     import numpy as np
 
     from tandem.core.protocol import RolloutGroup, pack_completions
 
     rng = np.random.default_rng(seed)
-    G, cap, lt = wl["num_generations"], wl["max_tokens"], wl["longtail"]
+    G, cap, lt = wl["num_generations"], wl["max_tokens"], wl.get("longtail") or {"long_frac": 1.0}
     p = 1 - 0.5 ** (1 / max(cap / lt.get("median_div", 7), 1))
     out = []
     for i in range(n):
