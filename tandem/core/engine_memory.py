@@ -5,6 +5,8 @@ Pure arithmetic; both sides import it from here so they agree."""
 
 from __future__ import annotations
 
+from tandem.core.plan import BatchPlan
+
 GIB = 1 << 30
 # Beyond weights and KV cache: CUDA graphs, the profile run's activations (max_num_batched_tokens of them), the
 # sampler's logits for a full batch, LoRA slots, the allocator's slack.
@@ -28,8 +30,6 @@ def sequences_in_engine(cfg, default_max: int | None = None) -> int:
     max_staleness + 1 cycles' unique_prompts (what the controller hands out ahead: services/orchestrator/
     controller.py), times the group size; no more than `vllm_max_num_seqs` (or `default_max` where that is not set;
     vLLM queues the rest)."""
-    from tandem.core.plan import BatchPlan
-
     ahead = BatchPlan.from_config(cfg).unique_prompts * (cfg.cluster.max_staleness + 1)
     seqs = min(prompts_in_flight(cfg), ahead) * cfg.batch.num_generations
     m = cfg.cluster.vllm_max_num_seqs or default_max
