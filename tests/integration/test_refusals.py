@@ -68,7 +68,9 @@ def test_skipped_checkpoints_are_named_and_kept_and_none_readable_refuses_the_ru
     a truncated state file, a missing one): refused in one line naming each, nothing trained, nothing cut."""
     monkeypatch.setenv(SUPERVISED, "1")  # the driver in this process, on the session's Ray
     shm_before = shm_entries()
-    job = write_job(tmp_path, tiny_model, batch={"max_steps": 3}, checkpoint={"save_steps": 1, "save_total_limit": 2})
+    # the checkpoints' handling is the subject, not the engine: transformers samples (no vLLM to import per run)
+    job = write_job(tmp_path, tiny_model, batch={"max_steps": 3}, checkpoint={"save_steps": 1, "save_total_limit": 2},
+                    model={"fast_inference": False})
     rc, out, err = run(capsys, job)
     assert rc == 0, err
     cks = tmp_path / "run" / "checkpoints"
@@ -123,7 +125,8 @@ def test_a_group_without_any_reward_is_recorded_not_trained_and_a_cycle_of_them_
         ray_session, tmp_path, tiny_model, capsys, monkeypatch):
     monkeypatch.setenv(SUPERVISED, "1")
     (tmp_path / "rew.py").write_text(NONE_FOR_ROW_1 + NONE_ALWAYS)
-    job = write_job(tmp_path, tiny_model, reward=f"{tmp_path / 'rew.py'}:r", batch={"max_steps": 4})
+    job = write_job(tmp_path, tiny_model, reward=f"{tmp_path / 'rew.py'}:r", batch={"max_steps": 4},
+                    model={"fast_inference": False})  # the rewards are the subject: transformers samples
     rc, out, err = run(capsys, job)
     assert rc == 0, err
     failed = [json.loads(x) for x in (tmp_path / "run" / "failed_prompts.jsonl").read_text().splitlines()]
@@ -133,7 +136,7 @@ def test_a_group_without_any_reward_is_recorded_not_trained_and_a_cycle_of_them_
     assert rows[-1]["count/groups_no_reward"] == len(failed)
 
     job = write_job(tmp_path, tiny_model, reward=f"{tmp_path / 'rew.py'}:none",
-                    logging={"output_dir": str(tmp_path / "run2")})
+                    logging={"output_dir": str(tmp_path / "run2")}, model={"fast_inference": False})
     rc, out, err = run(capsys, job)
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"tandem: rewards = ['{tmp_path / 'rew.py'}:none']: returned None for every completion of "
