@@ -300,6 +300,7 @@ def measure_tandem(cfg, wl, gpu: bool) -> dict:
         "completion_length_p50": med("completion_length_p50"), "completion_length_p95": med("completion_length_p95"),
         # the learner's layout as its defaults chose it (model.max_tokens_per_forward, checkpointing, Liger)
         "forwards_per_step": med("learner/forwards_per_step"),
+        "max_tokens_per_forward": med("learner/max_tokens_per_forward"),
         "gradient_checkpointing": med("learner/gradient_checkpointing"), "liger_kernel": med("learner/liger_kernel"),
     }
     out.update({k2: v for k2, v in gpu_stats.items()})

@@ -253,6 +253,7 @@ class Learner:
         train_s = time.time() - t0
         batch_stats.update(self._throughput(tokens, train_s))
         batch_stats["learner/forwards_per_step"] = sum(map(len, forwards.values())) / len(forwards)
+        batch_stats["learner/max_tokens_per_forward"] = float(self.token_budget or 0)  # 0: the plan's micro-batches
         batch_stats["learner/padding_frac"] = 1 - tokens / max(computed, 1)  # the forward's share spent on padding
         batch_stats["learner/gradient_checkpointing"] = float(self.checkpointing)
         batch_stats["learner/liger_kernel"] = float(self.liger)

@@ -109,6 +109,7 @@ def test_a_token_budget_regroups_the_forwards_and_changes_no_weight(tmp_path, ti
     lengths = [len(g.prompt_ids) + len(g.completion(k)) for g in groups for k in range(4)]
     want = len(token_budget_bins([list(enumerate(lengths))], budget)[0])
     assert step["learner/forwards_per_step"] == want == {1: 8, 20: 5, 36: 3, 10_000: 1}[budget]  # GA is 4
+    assert step["learner/max_tokens_per_forward"] == budget
 
 
 @pytest.mark.parametrize("level,mu,padding_free", [("token", 2, False), ("sequence", 2, False), ("token", 1, False),
