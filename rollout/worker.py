@@ -21,12 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tandem.core.compat import rollout_env_vars
-from tandem.core.engine_memory import (
-    SHARE_WITHOUT_SHAPE,
-    engine_bytes,
-    engine_kv_bytes,
-    prompts_in_flight,
-)
+from tandem.core.engine_memory import SHARE_WITHOUT_SHAPE, auto_engine, engine_kv_bytes, prompts_in_flight
 from tandem.core.protocol import (
     PromptItem,
     RolloutFailure,
@@ -72,17 +67,15 @@ def gpu_memory_args(cfg) -> dict:
     weights, leaves (vLLM refuses to start where less than that share is free). Nothing off a GPU."""
     import torch
 
-    share = cfg.cluster.vllm_gpu_memory_utilization
-    if share != "auto" or not torch.cuda.is_available():
-        return {"gpu_memory_utilization": share if share != "auto" else SHARE_WITHOUT_SHAPE}
     from tandem.core.checks import language_model_config
 
-    mc, total = language_model_config(cfg.model.local_dir()), torch.cuda.mem_get_info()[1]
-    try:
-        kv = engine_kv_bytes(cfg, mc)
-    except (KeyError, TypeError, ZeroDivisionError):
-        return {"gpu_memory_utilization": SHARE_WITHOUT_SHAPE}
-    return {"gpu_memory_utilization": min(0.95, engine_bytes(cfg, mc, total) / total), "gpu_kv_cache_bytes": kv}
+    share = cfg.cluster.vllm_gpu_memory_utilization
+    auto = auto_engine(cfg, language_model_config(cfg.model.local_dir())) \
+        if share == "auto" and torch.cuda.is_available() else None
+    if auto is None:
+        return {"gpu_memory_utilization": SHARE_WITHOUT_SHAPE if share == "auto" else share}
+    kv, engine = auto
+    return {"gpu_memory_utilization": min(0.95, engine / torch.cuda.mem_get_info()[1]), "gpu_kv_cache_bytes": kv}
 
 
 @errors_as_text

@@ -67,16 +67,24 @@ def engine_kv_bytes(cfg, mc: dict, default_max: int | None = None) -> int:
         (g.max_prompt_length + g.max_completion_length)
 
 
+def auto_engine(cfg, mc: dict | None) -> tuple[int, int] | None:
+    """`vllm_gpu_memory_utilization: auto`'s sizes: (the KV cache, weights + KV cache + ENGINE_OVERHEAD) in bytes;
+    None where the model's config does not say its shape (auto then takes SHARE_WITHOUT_SHAPE)."""
+    try:
+        kv = engine_kv_bytes(cfg, mc)
+        return kv, weight_bytes(mc, _dtype_bytes(cfg)) + kv + ENGINE_OVERHEAD
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
 def engine_bytes(cfg, mc: dict | None, total: int) -> int:
     """What one rollout engine takes of a GPU of `total` bytes: the share set in `vllm_gpu_memory_utilization`, or
-    (auto) its weights, engine_kv_bytes and ENGINE_OVERHEAD; auto of a model whose shape is unknown: 0.3."""
+    (auto) `auto_engine`'s, or SHARE_WITHOUT_SHAPE of a model whose shape is unknown."""
     share = cfg.cluster.vllm_gpu_memory_utilization
-    if share != "auto":
-        return int(share * total)
-    try:
-        return weight_bytes(mc, _dtype_bytes(cfg)) + engine_kv_bytes(cfg, mc) + ENGINE_OVERHEAD
-    except (KeyError, TypeError, ZeroDivisionError):
-        return int(SHARE_WITHOUT_SHAPE * total)
+    auto = auto_engine(cfg, mc) if share == "auto" else None
+    if auto is not None:
+        return auto[1]
+    return int((SHARE_WITHOUT_SHAPE if share == "auto" else share) * total)
 
 
 def _dtype_bytes(cfg) -> int:
