@@ -520,7 +520,9 @@ def main():
         res = run_tandem(paths, wl, k, a, mode, vllm)
     else:
         res = run_vllm(paths, wl, a) if a.candidate == "vllm_ceiling" else run_trl(paths, wl, a)
-    res.update(candidate=a.candidate, workload=a.workload, versions=versions(), wl=wl)
+    # under CUDA MPS (bench/device/with_mps.sh), the processes' kernels run side by side
+    res.update(candidate=a.candidate, workload=a.workload, versions=versions(), wl=wl,
+               cuda_mps="CUDA_MPS_PIPE_DIRECTORY" in os.environ)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(res, indent=1))
     print(json.dumps({k: res.get(k) for k in KEYS + ("launch_to_first_step_s", "pss_gb", "rollout_busy_frac",

@@ -24,6 +24,8 @@ PREFIX = "learner_"
 # run on whichever of the actor's pool threads is free, so without a cap every one of them grows an arena
 # (the CPU benchmark's job: this process 1.01 GB after 22 steps and growing; capped 0.85 GB there, 0.88 after 60)
 COLOCATED_ENV = {"MALLOC_ARENA_MAX": "2"}
+# CUDA maps a priority past the device's range to its highest (torch.cuda.Stream's documentation)
+ENGINE_PRIORITY = -100
 
 
 class ColocatedWorker(RolloutWorker):
@@ -33,6 +35,19 @@ class ColocatedWorker(RolloutWorker):
         super().__init__(cfg, 0)
         self._learner = LearnerActor(cfg, *learner_args)
         self._learner_stream = None
+
+    def _run(self) -> None:
+        """The engine on a stream of the highest priority (this thread's; vLLM keeps a thread's stream as the one its
+        CUDA graphs replay on): where a learner kernel and the engine's wait for the same free SMs, the engine's
+        short decode kernels go first, and the learner fills what they leave."""
+        import torch
+
+        if torch.cuda.is_available() and self.cfg.model.fast_inference:
+            from vllm.utils.torch_utils import current_stream  # patches torch.cuda.set_stream to record the stream
+
+            torch.cuda.set_stream(torch.cuda.Stream(priority=ENGINE_PRIORITY))
+            print(f"ColocatedWorker: engine stream priority {current_stream().priority}", flush=True)
+        super()._run()
 
     def learner_setup(self) -> int:
         # after the engine: vLLM and DeepSpeed each set up torch.distributed's default group if none exists,
