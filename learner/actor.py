@@ -18,7 +18,7 @@ from tandem.core.checks import check_learner_device, check_shared_dir
 from tandem.core.compat import before_deepspeed_init, set_distributed_env
 from tandem.core.plan import BatchPlan
 from tandem.learner import checkpoint_io
-from tandem.learner.batch import Samples, collate, loss_mask, real_tokens, to_device
+from tandem.learner.batch import Samples, attention_pairs, collate, loss_mask, real_tokens, to_device
 from tandem.learner.forwards import plan_weights, token_budget_bins
 from tandem.learner.grpo import (
     LossInputs,
@@ -147,6 +147,7 @@ class Learner:
         self.device = self.engine.device  # batches are collated on the host and moved here
         self._n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: full sizes
         self._peak_flops = _peak_flops(self.device)
+        self._pair_flops = attention_flops_per_pair(model.config)
         self.ref = load_frozen_reference(cfg).to(self.device) if (cfg.grpo.beta > 0 and cfg.model.lora is None) else None
         # after everything this rank holds is placed (a frozen reference included)
         from tandem.core.checks import language_model_config
@@ -242,16 +243,17 @@ class Learner:
         with torch.no_grad():
             old = {k: [self._logp(f)[0] for f in fs] for k, fs in forwards.items()} if self.needs_old() else None
             ref = {k: [self._logp(f, reference=True) for f in fs] for k, fs in forwards.items()} if g.beta > 0 else None
-        step_metrics, tokens, computed = [], 0, 0
+        step_metrics, tokens, computed, pairs = [], 0, 0, 0
         for key in keys:
             fs = forwards[key]
             step_metrics.append(self._optimizer_step(fs, None if old is None else old[key], None if ref is None else ref[key]))
             tokens += sum(real_tokens(f) for f in fs)  # this rank's
             computed += sum(int(f["input_ids"].numel()) for f in fs)
+            pairs += sum(attention_pairs(f) for f in fs)
         self.version += 1
         batch_stats = rollout_stats(s, plan.num_generations, weights, self.version - 1, rewards.numpy())
         train_s = time.time() - t0
-        batch_stats.update(self._throughput(tokens, train_s))
+        batch_stats.update(self._throughput(tokens, pairs, train_s))
         batch_stats["learner/forwards_per_step"] = sum(map(len, forwards.values())) / len(forwards)
         batch_stats["learner/max_tokens_per_forward"] = float(self.token_budget or 0)  # 0: the plan's micro-batches
         batch_stats["learner/padding_frac"] = 1 - tokens / max(computed, 1)  # the forward's share spent on padding
@@ -323,13 +325,14 @@ class Learner:
             "step": self.steps, "lr": lr,
             "grad_norm": grad_norm if grad_norm is not None else float(self.engine.get_global_grad_norm() or 0.0)}
 
-    def _throughput(self, tokens: int, seconds: float) -> dict:
+    def _throughput(self, tokens: int, pairs: int, seconds: float) -> dict:
         """learner/tokens_per_s: prompt + completion tokens through this rank's training passes per second;
-        learner/mfu: 6·N·tokens/s over the GPU's dense bf16 peak (N all parameters, nanoGPT's convention;
-        the old-log-prob forward not counted), None where the peak is not known (CPU)."""
-        rate = tokens / max(seconds, 1e-9)
-        return {"learner/tokens_per_s": rate,
-                "learner/mfu": (6 * self._n_params * rate / self._peak_flops) if self._peak_flops else None}
+        learner/mfu: their training_flops per second over the GPU's dense bf16 peak (the old-log-prob forward not
+        counted), None where the peak is not known (CPU)."""
+        s = max(seconds, 1e-9)
+        flops = training_flops(self._n_params, tokens, pairs, self._pair_flops)
+        return {"learner/tokens_per_s": tokens / s,
+                "learner/mfu": (flops / s / self._peak_flops) if self._peak_flops else None}
 
     # ---------------------------------------------------------------------- publish, save
 
@@ -371,6 +374,25 @@ class Learner:
             import torch.distributed as dist
 
             dist.barrier()
+
+
+def attention_flops_per_pair(config) -> int:
+    """FLOPs of attention's two matmuls (scores, weighted values) per (query, key) pair, forward and backward, over all
+    layers: 12·layers·heads·head_dim (verl's utils/flops_counter.py; nanoGPT's estimate_mfu: 12·L·H·Q·T per token).
+    0 where the config does not say the shape."""
+    heads = getattr(config, "num_attention_heads", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    if not heads or not layers:
+        return 0
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 12 * layers * heads * head_dim
+
+
+def training_flops(n_params: int, tokens: int, pairs: int, pair_flops: int) -> int:
+    """A training pass's FLOPs, forward and backward, as verl's flops counter and nanoGPT's estimate_mfu count them:
+    6 per parameter per token (N all parameters, embeddings included, and for LoRA as if the frozen weights took
+    gradients too) plus attention's, `pairs` = Σ s² over the sequences (non-causal count, as both)."""
+    return 6 * n_params * tokens + pair_flops * pairs
 
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12}

@@ -117,6 +117,13 @@ def real_tokens(mb: dict) -> int:
     return int(mb["input_ids"].numel()) if "gather" in mb else int(mb["attention_mask"].sum())
 
 
+def attention_pairs(mb: dict) -> int:
+    """Σ s² over the micro-batch's sequences (s: a sequence's real tokens): the (query, key) pairs its attention
+    scores, as FLOP counts take them (learner/actor.py: training_flops)."""
+    s = mb["cu_seq_lens"].diff() if "gather" in mb else mb["attention_mask"].sum(-1)
+    return int((s.long() ** 2).sum())
+
+
 def to_device(mb: dict, device) -> dict:
     """A collated micro-batch (built on the host) on the model's device."""
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in mb.items()}
