@@ -47,10 +47,15 @@ MAX_AUTO_TOKENS = 16384
 # Below this many tokens a forward without checkpointing is slower than a checkpointed one of MAX_AUTO_TOKENS (there:
 # ~5k tokens 0.234 learner/mfu, ~20k checkpointed 0.285): auto checkpoints rather than shrink the forwards further.
 MIN_FAST_TOKENS = 8192
-# auto's activations take at most this share of the device, whatever is free, for a peak at or below TRL's beside the
-# same workload (issue 30's target): measured at 0.25, Tandem 59.4 GiB against TRL's 55.4 at 1.5B (14k-token forwards),
-# 59.3 against 78.9 at 7B (checkpointed; bench/results/e2e_gpu_scale.md). 0.2 takes ~7 GiB less on an H200.
+# auto's activations take this share of the device, whatever is free, for a peak at or below TRL's beside the same
+# workload (issue 30's target): measured at 0.25, Tandem 59.4 GiB against TRL's 55.4 at 1.5B (14k-token forwards); at
+# 0.2 54.7 GiB beside the max_staleness 1 engine (bench/results/e2e_gpu_scale.md, session 19).
 ACTIVATION_SHARE = 0.2
+# ... or more, where the engine beside them is small: the two together up to this share. The engine's KV cache grows
+# with max_staleness (tandem/core/engine_memory.py); at 1.5B the k=0 engine holds ~7 GiB less than the k=1 one, and
+# its learner takes them (~14k-token forwards instead of ~11k, learner/mfu 0.471 against 0.411 in sessions 18-19),
+# for a peak under the k=1 one. A learner on a GPU of its own (no engine) takes this share.
+SHARED_GPU_SHARE = 0.34
 
 
 def forward_layout(cfg, mc: dict | None, packed: bool, device: tuple[int, int] | None) -> tuple[int | None, bool]:
@@ -60,7 +65,8 @@ def forward_layout(cfg, mc: dict | None, packed: bool, device: tuple[int, int] |
     after the model is placed, None off a GPU.
 
     auto tokens: on a GPU the most tokens whose activations fit both 3/4 of what is left (less what a sharing engine
-    takes, `learner_budget`) and ACTIVATION_SHARE of the device without checkpointing, at most MAX_AUTO_TOKENS; where
+    takes, `learner_budget`) and ACTIVATION_SHARE of the device (SHARED_GPU_SHARE less the engine, where that is
+    more) without checkpointing, at most MAX_AUTO_TOKENS; where
     not even one sequence of max_prompt_length + max_completion_length fits, or fewer than MIN_FAST_TOKENS, with
     checkpointing (auto) as many as fit that way. Off a GPU
     (or of a model whose shape is unknown) a micro-batch's worst case: per_device_train_batch_size sequences at
@@ -80,9 +86,11 @@ def forward_layout(cfg, mc: dict | None, packed: bool, device: tuple[int, int] |
     except (KeyError, TypeError, ZeroDivisionError):
         return tokens, ck is not False
     shares = m.fast_inference and (c.vllm_mode == "colocate" or 0 < c.rollout_resources.num_gpus < 1)
-    room = learner_budget(*device, engine_bytes(cfg, mc, device[0]) if shares else 0)
+    engine = engine_bytes(cfg, mc, device[0]) if shares else 0
+    room = learner_budget(*device, engine)
     if packed and want == "auto":
-        fits = lambda per: min(max(int(min(0.75 * room, ACTIVATION_SHARE * device[0]) // per), 0), MAX_AUTO_TOKENS)
+        share = max(ACTIVATION_SHARE * device[0], SHARED_GPU_SHARE * device[0] - engine)
+        fits = lambda per: min(max(int(min(0.75 * room, share) // per), 0), MAX_AUTO_TOKENS)
         if ck is False or (ck == "auto" and fits(full) >= max(seq, MIN_FAST_TOKENS)):
             return max(fits(full), seq), False
         return max(fits(kept), seq), True

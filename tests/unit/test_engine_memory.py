@@ -82,17 +82,30 @@ def test_auto_holds_every_sequence_the_controller_keeps_in_the_engine_at_full_le
 
 
 def test_a_learner_beside_an_auto_engine_counts_what_the_engine_will_take():
-    from tandem.learner.memory import ACTIVATION_SHARE, activation_bytes_per_token, forward_layout, learner_budget
+    from tandem.learner.memory import (
+        ACTIVATION_SHARE,
+        SHARED_GPU_SHARE,
+        activation_bytes_per_token,
+        forward_layout,
+        learner_budget,
+    )
 
     total, held = 140 * GIB, 4 * GIB
     per_token = activation_bytes_per_token(QWEN_1_5B, 2)
     shared = job(0.4, learner_resources={"num_gpus": 0.4})
     room = learner_budget(total, held, engine_bytes(shared, QWEN_1_5B, total))
     assert room == total - (engine_bytes(shared, QWEN_1_5B, total)) - held - 2 * GIB
-    # the engine's ~13 GiB (k=0) leaves ~119 GiB: a fifth of the device binds (~11k tokens); an engine holding 1,760
-    # sequences leaves less: 3/4 of the rest binds
+    # an engine holding 1,760 sequences (~105 GiB) leaves less: 3/4 of the rest binds
     less = job(0.4, learner_resources={"num_gpus": 0.4}, rollout_prompts_in_flight=220,
                max_staleness=13)  # 1,760 sequences: ~105 GiB
     assert forward_layout(less, QWEN_1_5B, True, (total, held)) == \
         (int(0.75 * learner_budget(total, held, engine_bytes(less, QWEN_1_5B, total)) // per_token), False)
-    assert forward_layout(shared, QWEN_1_5B, True, (total, held)) == (int(ACTIVATION_SHARE * total // per_token), False)
+    # k=0's engine is small: activations and engine together take SHARED_GPU_SHARE (~14k tokens, more than a fifth of
+    # the device); k=1's, twice the KV cache, leaves them ACTIVATION_SHARE
+    k0 = engine_bytes(shared, QWEN_1_5B, total)
+    assert forward_layout(shared, QWEN_1_5B, True, (total, held)) == \
+        (int((SHARED_GPU_SHARE * total - k0) // per_token), False)
+    assert 13_000 < (SHARED_GPU_SHARE * total - k0) // per_token < 15_000
+    k1 = job(0.4, learner_resources={"num_gpus": 0.4}, max_staleness=1)
+    assert engine_bytes(k1, QWEN_1_5B, total) > k0 + 6 * GIB
+    assert forward_layout(k1, QWEN_1_5B, True, (total, held)) == (int(ACTIVATION_SHARE * total // per_token), False)
