@@ -250,7 +250,8 @@ def tandem_config(paths, wl, k, args, mode="server", vllm=True):
         "cluster": {"num_rollout_workers": 1, "max_staleness": k, "vllm_mode": mode,
                     "rollout_resources": res(args.rollout_gpus if gpu else 0),
                     "learner_resources": res(args.learner_gpus if gpu else 0),
-                    "vllm_gpu_memory_utilization": args.vllm_memory or "auto"},
+                    "vllm_gpu_memory_utilization": args.vllm_memory or "auto",
+                    **{k: wl[k] for k in ("learner_sm_carveout",) if k in wl}},
         "logging": {"output_dir": str(Path(args.dir) / f"run-k{k}"), "progress": False},
     })
 

@@ -145,6 +145,8 @@ class Learner:
         )
         refuse_pickles(self.engine)
         self.device = self.engine.device  # batches are collated on the host and moved here
+        if self.device.type == "cuda" and cfg.cluster.learner_sm_carveout:
+            leave_sms_free(cfg.cluster.learner_sm_carveout, self.device)
         self._n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: full sizes
         self._peak_flops = _peak_flops(self.device)
         self._pair_flops = attention_flops_per_pair(model.config)
@@ -393,6 +395,18 @@ def training_flops(n_params: int, tokens: int, pairs: int, pair_flops: int) -> i
     6 per parameter per token (N all parameters, embeddings included, and for LoRA as if the frozen weights took
     gradients too) plus attention's, `pairs` = Σ s² over the sequences (non-causal count, as both)."""
     return 6 * n_params * tokens + pair_flops * pairs
+
+
+def leave_sms_free(n: int, device) -> None:
+    """This process's matmuls on all but `n` of the GPU's SMs (cluster.learner_sm_carveout): torch's SM carveout, which
+    only cuBLASLt honours (aten/src/ATen/cuda/CUDABlas.cpp), so cuBLASLt becomes the preferred BLAS. Process-wide: in
+    the colocated mode the engine's matmuls too, except those in the CUDA graphs it captured before (its decode)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if not 0 < n < sms:
+        raise ValueError(f"cluster.learner_sm_carveout = {n}: {torch.cuda.get_device_name(device)} has {sms} SMs; "
+                         f"allowed: 1 to {sms - 1}, or null")
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch._C._set_sm_carveout_experimental(n)
 
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12}

@@ -287,6 +287,11 @@ class ClusterConfig(_Section):
         "the first rollout worker's engine in the learner's process (one actor asking for both resources: one "
         "process importing torch, transformers and Ray fewer; needs num_processes 1). Workers beyond the first, "
         "and `tandem scale`, add server-mode ones")
+    learner_sm_carveout: int | None = Field(
+        None, ge=1, description="streaming multiprocessors the learner's matmuls leave free for a rollout engine "
+        "sharing its GPU (vllm_mode colocate, or under CUDA MPS): its GEMMs go through cuBLASLt with an SM count "
+        "target that many below the GPU's, so the engine's decode kernels never wait for a learner GEMM's blocks; "
+        "null = the learner's GEMMs take every SM")
     address: str | None = Field(None, description="Ray address `tandem run` joins when --address is not given; "
                                 "null = embedded Ray")
     max_restarts: int = Field(3, ge=0, le=100, description="times the job is restarted from its newest checkpoint "
