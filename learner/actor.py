@@ -401,6 +401,9 @@ def leave_sms_free(n: int, device) -> None:
     """This process's matmuls on all but `n` of the GPU's SMs (cluster.learner_sm_carveout): torch's SM carveout, which
     only cuBLASLt honours (aten/src/ATen/cuda/CUDABlas.cpp), so cuBLASLt becomes the preferred BLAS. Process-wide: in
     the colocated mode the engine's matmuls too, except those in the CUDA graphs it captured before (its decode)."""
+    if not hasattr(torch._C, "_set_sm_carveout_experimental"):
+        raise RuntimeError(f"cluster.learner_sm_carveout = {n}: torch {torch.__version__} has no SM carveout; "
+                           "allowed: null with this torch")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if not 0 < n < sms:
         raise ValueError(f"cluster.learner_sm_carveout = {n}: {torch.cuda.get_device_name(device)} has {sms} SMs; "
