@@ -149,14 +149,15 @@ class Learner:
             leave_sms_free(cfg.cluster.learner_sm_carveout, self.device)
         self._n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: full sizes
         self._peak_flops = _peak_flops(self.device)
-        self._pair_flops = attention_flops_per_pair(model.config)
         self.ref = load_frozen_reference(cfg).to(self.device) if (cfg.grpo.beta > 0 and cfg.model.lora is None) else None
         # after everything this rank holds is placed (a frozen reference included)
         from tandem.core.checks import language_model_config
 
         cuda = self.device.type == "cuda"
+        mc = language_model_config(cfg.model.local_dir()) if cuda else None  # the language model's shape
+        self._pair_flops = attention_flops_per_pair(mc)  # learner/mfu's attention term (None off a GPU: no peak)
         self.token_budget, ck = forward_layout(
-            cfg, language_model_config(cfg.model.local_dir()) if cuda else None, self.packed,
+            cfg, mc, self.packed,
             (torch.cuda.mem_get_info(self.device)[1], torch.cuda.memory_allocated(self.device)) if cuda else None)
         if ck and cfg.model.gradient_checkpointing == "auto":
             enable_checkpointing(model)
@@ -378,16 +379,15 @@ class Learner:
             dist.barrier()
 
 
-def attention_flops_per_pair(config) -> int:
+def attention_flops_per_pair(mc: dict | None) -> int:
     """FLOPs of attention's two matmuls (scores, weighted values) per (query, key) pair, forward and backward, over all
     layers: 12·layers·heads·head_dim (verl's utils/flops_counter.py; nanoGPT's estimate_mfu: 12·L·H·Q·T per token).
-    0 where the config does not say the shape."""
-    heads = getattr(config, "num_attention_heads", None)
-    layers = getattr(config, "num_hidden_layers", None)
+    `mc`: the language model's config.json (tandem.core.checks.language_model_config); 0 where it does not say the
+    shape."""
+    heads, layers = (mc or {}).get("num_attention_heads"), (mc or {}).get("num_hidden_layers")
     if not heads or not layers:
         return 0
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 12 * layers * heads * head_dim
+    return 12 * layers * heads * (mc.get("head_dim") or mc["hidden_size"] // heads)
 
 
 def training_flops(n_params: int, tokens: int, pairs: int, pair_flops: int) -> int:
