@@ -16,6 +16,7 @@ import torch
 
 from tandem.core.checks import check_learner_device, check_shared_dir
 from tandem.core.compat import before_deepspeed_init, set_distributed_env
+from tandem.core.engine_memory import head_dim
 from tandem.core.plan import BatchPlan
 from tandem.learner import checkpoint_io
 from tandem.learner.batch import Samples, attention_pairs, collate, loss_mask, real_tokens, to_device
@@ -387,7 +388,7 @@ def attention_flops_per_pair(mc: dict | None) -> int:
     heads, layers = (mc or {}).get("num_attention_heads"), (mc or {}).get("num_hidden_layers")
     if not heads or not layers:
         return 0
-    return 12 * layers * heads * (mc.get("head_dim") or mc["hidden_size"] // heads)
+    return 12 * layers * heads * head_dim(mc)
 
 
 def training_flops(n_params: int, tokens: int, pairs: int, pair_flops: int) -> int:

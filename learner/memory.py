@@ -4,7 +4,7 @@ device's numbers; the learner asks it once, after DeepSpeed placed the model (le
 
 from __future__ import annotations
 
-from tandem.core.engine_memory import engine_bytes
+from tandem.core.engine_memory import engine_bytes, head_dim
 
 GIB = 1 << 30
 
@@ -17,9 +17,8 @@ def activation_bytes_per_token(mc: dict, dtype_bytes: int) -> int:
     h = mc["hidden_size"]
     heads = mc["num_attention_heads"]
     kv = mc.get("num_key_value_heads") or heads
-    head_dim = mc.get("head_dim") or h // heads
     inter = mc.get("intermediate_size") or 4 * h
-    return (7 * h + 3 * kv * head_dim + 4 * inter) * mc["num_hidden_layers"] * dtype_bytes
+    return (7 * h + 3 * kv * head_dim(mc) + 4 * inter) * mc["num_hidden_layers"] * dtype_bytes
 
 
 def learner_budget(total: int, allocated: int, engine: int, margin: int = 2 * GIB) -> int:

@@ -36,11 +36,15 @@ def sequences_in_engine(cfg, default_max: int | None = None) -> int:
     return min(seqs, m) if m else seqs
 
 
+def head_dim(mc: dict) -> int:
+    """One attention head's width: config.json's head_dim where it says one (Qwen3, Gemma), else hidden / heads."""
+    return mc.get("head_dim") or mc["hidden_size"] // mc["num_attention_heads"]
+
+
 def kv_bytes_per_token(mc: dict, dtype_bytes: int) -> int:
     """K and V of one token over all layers."""
     heads = mc["num_attention_heads"]
-    head_dim = mc.get("head_dim") or mc["hidden_size"] // heads
-    return 2 * mc["num_hidden_layers"] * (mc.get("num_key_value_heads") or heads) * head_dim * dtype_bytes
+    return 2 * mc["num_hidden_layers"] * (mc.get("num_key_value_heads") or heads) * head_dim(mc) * dtype_bytes
 
 
 def weight_bytes(mc: dict, dtype_bytes: int) -> int:
@@ -49,7 +53,7 @@ def weight_bytes(mc: dict, dtype_bytes: int) -> int:
     h, V, L = mc["hidden_size"], mc["vocab_size"], mc["num_hidden_layers"]
     heads = mc["num_attention_heads"]
     kv = mc.get("num_key_value_heads") or heads
-    hd = mc.get("head_dim") or h // heads
+    hd = head_dim(mc)
     inter = mc.get("intermediate_size") or 4 * h
     # Qwen2: biases on q, k, v; Llama's attention_bias: on o too
     bias = (heads + 2 * kv) * hd + h if mc.get("attention_bias") else \
