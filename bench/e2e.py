@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -48,23 +49,23 @@ WORKLOADS = {
 # "cpu_longtail": the long-tail warm-up at a size this CPU runs.
 _SCALE = dict(lora=dict(r=16, lora_alpha=32), prompts=16, num_generations=8, per_device=8, ga=16, warmup=2, lr=1e-5,
               gradient_checkpointing=True)
-# `longtail`: SFT on (prompt, random tokens, EOS): with probability long_frac the completion runs to the cap, else its
-# length is geometric with median cap / 7. What the model then samples (vLLM, temperature 1) is not quite what it was
-# taught, and moves with the SFT: on the CPU variant (cap 64) median cap/6, 10%, 150 steps sampled p50 20.5, 9.4% at
-# the cap; cap/8 gave p50 11, 0.8% at the cap; cap/7, 15%, 300 steps (these settings) p50 15, p95 59, 2.3% at the cap.
-# The vllm_ceiling candidate reports the sampled p50, p95 and share at the cap: check them against issue 30's
-# (median <= cap / 4, >= 5% at the cap) and move long_frac with --set where they miss. On the H200 (session 16) the
-# 1.5B's SFT took 383 s for 300 steps; 80 steps at median cap / 7 sampled p50 539-578 and p95 1954-2048 of 2048 in
-# Tandem's runs (cap / 4 is 512), hence median cap / 8: session 18 sampled p50 347-436, p95 1,652-1,863 and 2.9% at
-# the cap (the ceiling's batches; TRL's clipped_ratio 3.1-4.7%) with long_frac 0.15, short of the issue's 5%; session
-# 19 at 0.3: p50 1,236 and 31.5% at the cap, far past both. Between them (log-linear in long_frac) 0.21 gives ~7% at
-# the cap and p50 ~550 at cap / 8; a shorter geometric part (cap / 12) brings the median under cap / 4. Not yet run.
+# `longtail`: SFT on (prompt, random tokens, EOS). Every `long_every`-th prompt of the workload asks for "a long
+# number": the warm-up teaches those (a `teach_long` share of its examples) to run to the cap without EOS, the others a
+# geometric length with median cap / median_div (and with probability long_frac to the cap too); the candidates take
+# the prompts in file order (Tandem's data.shuffle and TRL's shuffle_dataset off), so every step holds the same long
+# groups in every candidate. Why by the prompt: a mixture the model is only taught in its lengths lands far from where
+# it samples, and moves with the SFT (on the H200 at median cap / 8: long_frac 0.15 sampled 2.9% at the cap, 0.3
+# sampled 31.5%; at cap / 12, 0.21 sampled 0.5%, p50 258: bench/results/e2e_gpu_scale.md, sessions 18-20); a prompt
+# the model can read makes the share at the cap the share of long prompts. The vllm_ceiling candidate reports the
+# sampled p50, p95 and share at the cap: check them against issue 30's (median <= cap / 4, >= 5% at the cap).
+# The CPU variant (cap 64, 300 steps at cap / 7, every 8th prompt long) sampled p50 10.5, p95 64 and 10.9% at the cap
+# (vllm_ceiling, 16 groups, two of them long: 12.5% asked for); the mixture there (15%) had sampled 2.3%.
 WORKLOADS.update({
     "1.5b_longtail": dict(model=dict(layers=28, hidden=1536, heads=12, kv_heads=2, intermediate=8960, vocab=151936,
                                      tie=True, dtype="bfloat16"),
                           max_tokens=2048, steps=6, **_SCALE,
-                          longtail=dict(long_frac=0.21, median_div=12, sft_steps=80, sft_batch=16, sft_lr=3e-4,
-                                        ids=[1000, 9000])),
+                          longtail=dict(long_every=8, teach_long=0.3, long_frac=0.0, median_div=12, sft_steps=80,
+                                        sft_batch=16, sft_lr=3e-4, ids=[1000, 9000])),
     "7b": dict(model=dict(layers=28, hidden=3584, heads=28, kv_heads=4, intermediate=18944, vocab=152064, tie=False,
                           dtype="bfloat16"),
                max_tokens=1024, steps=4, **_SCALE),
@@ -72,7 +73,8 @@ WORKLOADS.update({
                                     dtype="float32"),
                          lora=dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
                          prompts=4, num_generations=8, max_tokens=64, per_device=8, ga=4, steps=4, warmup=1, lr=1e-4,
-                         longtail=dict(long_frac=0.15, sft_steps=300, sft_batch=16, sft_lr=3e-3, ids=[100, 400])),
+                         longtail=dict(long_every=8, teach_long=0.3, long_frac=0.0, sft_steps=300, sft_batch=16,
+                                       sft_lr=3e-3, ids=[100, 400])),
 })
 
 
@@ -105,6 +107,8 @@ def prepare(work: Path, wl: dict) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     m = wl["model"]
     model = work / "model"
+    if wl.get("longtail") and (model / "longtail.json").is_file() and not taught_as(model, wl["longtail"]):
+        shutil.rmtree(model)  # another warm-up than this one's: build and teach it again
     if not (model / "config.json").is_file():
         build_tiny_model(model, layers=m["layers"], hidden=m["hidden"], heads=m["heads"], kv_heads=m["kv_heads"],
                          intermediate=m["intermediate"], vocab=m["vocab"], tie_word_embeddings=m["tie"],
@@ -122,9 +126,26 @@ def prepare(work: Path, wl: dict) -> dict:
         torch.cuda.empty_cache()  # counts free memory (session 16: 14.6 of 139.8 GiB free without this)
     data = work / "prompts.jsonl"
     n = wl["prompts"] * (wl["steps"] + wl["warmup"] + 2)
-    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"write a number {i}"}]}) + "\n"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": prompt_text(i, wl)}]}) + "\n"
                             for i in range(n)))
     return {"model": str(model), "data": str(data)}
+
+
+def prompt_text(i: int, wl: dict) -> str:
+    """The workload's i-th prompt: every longtail.long_every-th asks for a long answer."""
+    every = (wl.get("longtail") or {}).get("long_every")
+    return f"write a long number {i}" if every and i % every == 0 else f"write a number {i}"
+
+
+def in_order(wl: dict) -> bool:
+    """The candidates take the prompts in file order (the long prompts' places fixed: `longtail` above)."""
+    return bool((wl.get("longtail") or {}).get("long_every"))
+
+
+def taught_as(model_dir: Path, lt: dict) -> bool:
+    """The model under model_dir was warmed up with these `longtail` settings."""
+    done = json.loads((model_dir / "longtail.json").read_text())
+    return all(done.get(k) == v for k, v in lt.items())
 
 
 def longtail_warm_up(model_dir: Path, wl: dict) -> None:
@@ -145,10 +166,13 @@ def longtail_warm_up(model_dir: Path, wl: dict) -> None:
     rng = np.random.default_rng(0)
 
     def example():
-        prompt = tok.apply_chat_template([{"role": "user", "content": f"write a number {rng.integers(1000)}"}],
-                                         add_generation_prompt=True, tokenize=True)
+        long = bool(lt.get("long_every")) and rng.random() < lt.get("teach_long", 0.0)
+        i = int(rng.integers(1000))
+        text = f"write a long number {i}" if long else f"write a number {i}"
+        prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=True)
         prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
-        n = cap if rng.random() < lt["long_frac"] else min(int(rng.geometric(p)) - 1, cap)
+        n = cap if long or rng.random() < lt["long_frac"] else min(int(rng.geometric(p)) - 1, cap)
         comp = rng.integers(*lt["ids"], n).tolist() + ([tok.eos_token_id] if n < cap else [])
         return prompt + comp, [0] * len(prompt) + [1] * len(comp)
     t = time.time()
@@ -241,7 +265,7 @@ def tandem_config(paths, wl, k, args, mode="server", vllm=True):
                   "fast_inference": vllm, "gradient_checkpointing": wl.get("tandem_checkpointing", "auto"),
                   **{k: wl[k] for k in ("padding_free", "max_tokens_per_forward", "use_liger_kernel")
                      if k in wl}},  # else Tandem's defaults
-        "data": {"path": paths["data"]}, "rewards": [REWARD],
+        "data": {"path": paths["data"], "shuffle": not in_order(wl)}, "rewards": [REWARD],
         "generation": {"temperature": 1.0, "max_prompt_length": 64, "max_completion_length": wl["max_tokens"]},
         "batch": {"per_device_train_batch_size": wl["per_device"], "gradient_accumulation_steps": wl["ga"],
                   "num_generations": wl["num_generations"], "max_steps": wl["steps"] + wl["warmup"]},
@@ -262,8 +286,6 @@ def run_tandem(paths, wl, k, args, mode="server", vllm=True) -> dict:
 
 def measure_tandem(cfg, wl, gpu: bool) -> dict:
     """A Tandem job run as `tandem run` runs it (embedded Ray, its controller), timed after the warm-up steps."""
-    import shutil
-
     from tandem.services.app.run import start_controller, start_ray
 
     shutil.rmtree(cfg.logging.output_dir, ignore_errors=True)
@@ -403,7 +425,7 @@ def run_trl(paths, wl, args, reward=None, tools=None, **config) -> dict:
                 gradient_accumulation_steps=wl["ga"], num_generations=wl["num_generations"],
                 max_completion_length=wl["max_tokens"], max_steps=n, learning_rate=wl["lr"],
                 lr_scheduler_type="constant", temperature=1.0, beta=0.0, loss_type="dapo", logging_steps=1,
-                report_to="none", save_strategy="no", seed=42, **config)
+                report_to="none", save_strategy="no", seed=42, shuffle_dataset=not in_order(wl), **config)
     if gpu:
         conf.update(bf16=True, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_memory or TRL_VLLM_MEMORY)
     else:

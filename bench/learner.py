@@ -14,8 +14,8 @@ Then a torch.profiler trace of one `train` call: where the learner's GPU time go
 Issue 30's scale workloads (`--workload 1.5b_longtail|7b|cpu_longtail`) compare learner layouts instead: each
 `--layouts` entry PER_DEVICE:GA:CHECKPOINTING[:TOKENS[:LIGER]] (checkpointing and liger on|off|auto; tokens: plan
 = one forward per micro-batch, auto, or model.max_tokens_per_forward's number) is a learner of its own on the same generation batch, whose
-completion lengths are long-tailed as the workload's warm-up teaches (geometric with median cap / median_div, a
-long_frac share at the cap; no warm-up needed here), the profile taken on the last layout.
+completion lengths are long-tailed as the workload's warm-up teaches (geometric with median cap / median_div, every
+long_every-th group and a long_frac share at the cap; no warm-up needed here), the profile taken on the last layout.
 
   python3 bench/learner.py --workload 1.5b_longtail --layouts 8:16:on,8:16:off,8:16:auto:auto:auto [--reps 2]
 """
@@ -62,8 +62,10 @@ def long_tail_batch(n: int, wl, vocab: int, seed: int = 0):
     G, cap, lt = wl["num_generations"], wl["max_tokens"], wl.get("longtail") or {"long_frac": 1.0}
     p = 1 - 0.5 ** (1 / max(cap / lt.get("median_div", 7), 1))
     out = []
+    every = lt.get("long_every")
     for i in range(n):
-        lens = [cap if rng.random() < lt["long_frac"] else min(int(rng.geometric(p)), cap) for _ in range(G)]
+        long = bool(every) and i % every == 0  # a long prompt's group runs to the cap (bench/e2e.py: prompt_text)
+        lens = [cap if long or rng.random() < lt["long_frac"] else min(int(rng.geometric(p)), cap) for _ in range(G)]
         t, off = pack_completions([rng.integers(3, vocab, size=n_).astype(np.int32) for n_ in lens])
         out.append(RolloutGroup(
             group_id=i, index=i, prompt_ids=rng.integers(3, vocab, size=40).astype(np.int32), tokens=t, offsets=off,

@@ -45,7 +45,17 @@ def checkpointed_bytes_per_token(mc: dict, dtype_bytes: int) -> int:
 MAX_AUTO_TOKENS = 16384
 # Below this many tokens a forward without checkpointing is slower than a checkpointed one of MAX_AUTO_TOKENS (there:
 # ~5k tokens 0.234 learner/mfu, ~20k checkpointed 0.285): auto checkpoints rather than shrink the forwards further.
+# Measured at 1.5B's width (MIN_FAST_WIDTH); a wider model does more work per token in each of its matmuls, so fewer
+# tokens fill them (min_fast_tokens): at 7B (3,584) 4,096-token forwards without checkpointing made a colocated step
+# 15.6 s against 18.0 s with checkpointed 16,384-token ones (bench/results/e2e_gpu_scale.md, session 20).
 MIN_FAST_TOKENS = 8192
+MIN_FAST_WIDTH = 1536
+
+
+def min_fast_tokens(mc: dict) -> int:
+    """The fewest tokens a forward without checkpointing takes before auto checkpoints instead: MIN_FAST_TOKENS at
+    MIN_FAST_WIDTH, inversely with the model's hidden size, never more than MIN_FAST_TOKENS."""
+    return min(MIN_FAST_TOKENS, MIN_FAST_TOKENS * MIN_FAST_WIDTH // mc["hidden_size"])
 # auto's activations take this share of the device, whatever is free, for a peak at or below TRL's beside the same
 # workload (issue 30's target): measured at 0.25, Tandem 59.4 GiB against TRL's 55.4 at 1.5B (14k-token forwards); at
 # 0.2 54.7 GiB beside the max_staleness 1 engine (bench/results/e2e_gpu_scale.md, session 19).
@@ -66,7 +76,7 @@ def forward_layout(cfg, mc: dict | None, packed: bool, device: tuple[int, int] |
     auto tokens: on a GPU the most tokens whose activations fit both 3/4 of what is left (less what a sharing engine
     takes, `learner_budget`) and ACTIVATION_SHARE of the device (SHARED_GPU_SHARE less the engine, where that is
     more) without checkpointing, at most MAX_AUTO_TOKENS; where
-    not even one sequence of max_prompt_length + max_completion_length fits, or fewer than MIN_FAST_TOKENS, with
+    not even one sequence of max_prompt_length + max_completion_length fits, or fewer than min_fast_tokens, with
     checkpointing (auto) as many as fit that way. Off a GPU
     (or of a model whose shape is unknown) a micro-batch's worst case: per_device_train_batch_size sequences at
     full length, so a forward never holds more than the plan's largest micro-batch would.
@@ -90,7 +100,7 @@ def forward_layout(cfg, mc: dict | None, packed: bool, device: tuple[int, int] |
     if packed and want == "auto":
         share = max(ACTIVATION_SHARE * device[0], SHARED_GPU_SHARE * device[0] - engine)
         fits = lambda per: min(max(int(min(0.75 * room, share) // per), 0), MAX_AUTO_TOKENS)
-        if ck is False or (ck == "auto" and fits(full) >= max(seq, MIN_FAST_TOKENS)):
+        if ck is False or (ck == "auto" and fits(full) >= max(seq, min_fast_tokens(mc))):
             return max(fits(full), seq), False
         return max(fits(kept), seq), True
     if ck == "auto":

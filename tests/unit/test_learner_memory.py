@@ -137,6 +137,27 @@ def test_auto_tokens_per_forward_fill_what_is_left_and_checkpoint_only_where_one
     assert forward_layout(job(1), mc, False, None) == (None, False)  # padded: no regrouping
 
 
+QWEN_7B = {"hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944,
+           "num_hidden_layers": 28}
+
+
+def test_a_wider_model_skips_checkpointing_at_fewer_tokens():
+    """7B on an H200 beside its engine: ~5k tokens fit without checkpointing, fewer than 1.5B's MIN_FAST_TOKENS but
+    more than the width-scaled threshold (a 7B token's matmuls are 2.3x as wide): no checkpointing (session 20
+    measured 4,096-token forwards so faster than checkpointed 16,384-token ones)."""
+    from tandem.learner.memory import ACTIVATION_SHARE, MIN_FAST_TOKENS, forward_layout, min_fast_tokens
+
+    assert min_fast_tokens(QWEN_1_5B) == MIN_FAST_TOKENS
+    assert min_fast_tokens({**QWEN_1_5B, "hidden_size": 768}) == MIN_FAST_TOKENS  # never more than at 1.5B
+    assert min_fast_tokens(QWEN_7B) == MIN_FAST_TOKENS * 1536 // 3584 == 3510
+    full, total, held = activation_bytes_per_token(QWEN_7B, 2), 140 * GIB, 16 * GIB
+    tokens, ck = forward_layout(job(0.4), QWEN_7B, True, (total, held))
+    assert (tokens, ck) == (int(ACTIVATION_SHARE * total // full), False) and 3510 < tokens < MIN_FAST_TOKENS
+    # the same model on an 80 GiB card beside the engine: ~2.6k tokens, under the 7B threshold: checkpointed
+    tokens, ck = forward_layout(job(0.4), QWEN_7B, True, (80 * GIB, held))
+    assert ck is True and tokens > 3510
+
+
 def test_max_tokens_per_forward_refuses_zero():
     with pytest.raises(Exception, match="model.max_tokens_per_forward = 0"):
         job(1, max_tokens_per_forward=0)
