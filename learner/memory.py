@@ -56,6 +56,8 @@ def min_fast_tokens(mc: dict) -> int:
     """The fewest tokens a forward without checkpointing takes before auto checkpoints instead: MIN_FAST_TOKENS at
     MIN_FAST_WIDTH, inversely with the model's hidden size, never more than MIN_FAST_TOKENS."""
     return min(MIN_FAST_TOKENS, MIN_FAST_TOKENS * MIN_FAST_WIDTH // mc["hidden_size"])
+
+
 # auto's activations take this share of the device, whatever is free, for a peak at or below TRL's beside the same
 # workload (issue 30's target): measured at 0.25, Tandem 59.4 GiB against TRL's 55.4 at 1.5B (14k-token forwards); at
 # 0.2 54.7 GiB beside the max_staleness 1 engine (bench/results/e2e_gpu_scale.md, session 19).
