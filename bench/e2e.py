@@ -134,7 +134,12 @@ def prepare(work: Path, wl: dict) -> dict:
 def prompt_text(i: int, wl: dict) -> str:
     """The workload's i-th prompt: every longtail.long_every-th asks for a long answer."""
     every = (wl.get("longtail") or {}).get("long_every")
-    return f"write a long number {i}" if every and i % every == 0 else f"write a number {i}"
+    return number_prompt(i, bool(every) and i % every == 0)
+
+
+def number_prompt(i: int, long: bool) -> str:
+    """What the workloads ask (and the long-tail warm-up teaches to answer)."""
+    return f"write a {'long ' if long else ''}number {i}"
 
 
 def in_order(wl: dict) -> bool:
@@ -167,10 +172,8 @@ def longtail_warm_up(model_dir: Path, wl: dict) -> None:
 
     def example():
         long = bool(lt.get("long_every")) and rng.random() < lt.get("teach_long", 0.0)
-        i = int(rng.integers(1000))
-        text = f"write a long number {i}" if long else f"write a number {i}"
-        prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         tokenize=True)
+        prompt = tok.apply_chat_template([{"role": "user", "content": number_prompt(int(rng.integers(1000)), long)}],
+                                         add_generation_prompt=True, tokenize=True)
         prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
         n = cap if long or rng.random() < lt["long_frac"] else min(int(rng.geometric(p)) - 1, cap)
         comp = rng.integers(*lt["ids"], n).tolist() + ([tok.eos_token_id] if n < cap else [])
