@@ -132,9 +132,14 @@ def prepare(work: Path, wl: dict) -> dict:
 
 
 def prompt_text(i: int, wl: dict) -> str:
-    """The workload's i-th prompt: every longtail.long_every-th asks for a long answer."""
+    """The workload's i-th prompt."""
+    return number_prompt(i, long_prompt(i, wl))
+
+
+def long_prompt(i: int, wl: dict) -> bool:
+    """The workload's i-th prompt asks for a long answer: every longtail.long_every-th."""
     every = (wl.get("longtail") or {}).get("long_every")
-    return number_prompt(i, bool(every) and i % every == 0)
+    return bool(every) and i % every == 0
 
 
 def number_prompt(i: int, long: bool) -> str:

@@ -62,9 +62,8 @@ def long_tail_batch(n: int, wl, vocab: int, seed: int = 0):
     G, cap, lt = wl["num_generations"], wl["max_tokens"], wl.get("longtail") or {"long_frac": 1.0}
     p = 1 - 0.5 ** (1 / max(cap / lt.get("median_div", 7), 1))
     out = []
-    every = lt.get("long_every")
     for i in range(n):
-        long = bool(every) and i % every == 0  # a long prompt's group runs to the cap (bench/e2e.py: prompt_text)
+        long = e2e.long_prompt(i, wl)  # a long prompt's group runs to the cap
         lens = [cap if long or rng.random() < lt["long_frac"] else min(int(rng.geometric(p)), cap) for _ in range(G)]
         t, off = pack_completions([rng.integers(3, vocab, size=n_).astype(np.int32) for n_ in lens])
         out.append(RolloutGroup(

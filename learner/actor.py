@@ -156,7 +156,7 @@ class Learner:
 
         cuda = self.device.type == "cuda"
         mc = language_model_config(cfg.model.local_dir()) if cuda else None  # the language model's shape
-        self._pair_flops = attention_flops_per_pair(mc)  # learner/mfu's attention term (None off a GPU: no peak)
+        self._pair_flops = attention_flops_per_pair(mc)  # learner/mfu's attention term (0 off a GPU: no peak)
         self.token_budget, ck = forward_layout(
             cfg, mc, self.packed,
             (torch.cuda.mem_get_info(self.device)[1], torch.cuda.memory_allocated(self.device)) if cuda else None)
