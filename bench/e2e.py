@@ -316,9 +316,10 @@ def measure_tandem(cfg, wl, gpu: bool) -> dict:
     ray.get(ctl.shutdown.remote())
     ray.kill(ctl)
     ray.shutdown()
-    def med(key):
+    def med(key, how=statistics.median):
         vals = [s[key] for s in rows if s.get(key) is not None]
-        return statistics.median(vals) if vals else None
+        return how(vals) if vals else None
+    top = lambda key: med(key, max)
     per_step = wall / len(rows)
     out = {
         "s_per_step": per_step, "s_per_step_median": statistics.median(step_s), "step_s": step_s,
@@ -335,6 +336,9 @@ def measure_tandem(cfg, wl, gpu: bool) -> dict:
         "forwards_per_step": med("learner/forwards_per_step"),
         "max_tokens_per_forward": med("learner/max_tokens_per_forward"),
         "gradient_checkpointing": med("learner/gradient_checkpointing"), "liger_kernel": med("learner/liger_kernel"),
+        # the learner process's own peaks (torch's allocator; colocated, the engine's tensors too) beside nvidia-smi's
+        "learner_peak_allocated_gib": top("learner/peak_allocated_gib"),
+        "learner_peak_reserved_gib": top("learner/peak_reserved_gib"),
     }
     out.update({k2: v for k2, v in gpu_stats.items()})
     if pss is not None:

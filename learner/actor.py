@@ -31,7 +31,7 @@ from tandem.learner.grpo import (
 )
 from tandem.learner.logprobs import completion_grpo_loss, completion_logprobs
 from tandem.learner.memory import forward_layout
-from tandem.learner.metrics import accumulate, reduce_metrics, rollout_stats
+from tandem.learner.metrics import accumulate, memory_peaks, reduce_metrics, rollout_stats
 from tandem.learner.model import (
     checkpointing,
     copy_to_cpu,
@@ -263,6 +263,7 @@ class Learner:
         batch_stats["learner/padding_frac"] = 1 - tokens / max(computed, 1)  # the forward's share spent on padding
         batch_stats["learner/gradient_checkpointing"] = float(self.checkpointing)
         batch_stats["learner/liger_kernel"] = float(self.liger)
+        batch_stats.update(memory_peaks(self.device))
         for sm in step_metrics:
             sm.update(batch_stats)
             sm["version"] = self.version

@@ -93,3 +93,15 @@ def rollout_stats(s: Samples, G: int, weights, version: int, rewards: np.ndarray
         out[f"rewards/{f}/mean"] = float(col.mean()) if len(col) else 0.0
         out[f"rewards/{f}/std"] = float(col.std(ddof=1)) if len(col) > 1 else 0.0
     return out
+
+
+def memory_peaks(device) -> dict:
+    """learner/peak_allocated_gib and learner/peak_reserved_gib: the most this process's tensors held on its GPU, and
+    the most its caching allocator held for them (what nvidia-smi sees of it), since the process started; colocated,
+    the engine's tensors are in it too (verl logs the same pair, perf/max_memory_allocated_gb and _reserved_gb).
+    The difference is the allocator's slack. Nothing off a GPU."""
+    if torch.device(device).type != "cuda":
+        return {}
+    gib = float(1 << 30)
+    return {"learner/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
+            "learner/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib}

@@ -70,10 +70,22 @@ def init_local_ray(num_cpus: int, **kwargs) -> None:
         node.Node.__init__, node.Node.start_api_server = init, api
 
 
+# The learner's packed forwards change size from one to the next, and a colocated engine allocates between them: the
+# caching allocator's fixed segments then keep blocks no later request fits (learner/peak_reserved_gib against
+# _allocated_gib). Expandable segments grow and reuse one mapping instead (torch's CUDA semantics notes; Unsloth sets
+# the same before it loads vLLM in its process). Not with vLLM's sleep mode (its CuMemAllocator refuses them): Tandem
+# does not use it.
+GPU_ALLOCATOR = "expandable_segments:True"
+
+
 def learner_env_vars(use_gpu: bool) -> dict[str, str]:
     """Environment of a learner actor. DS_ACCELERATOR: DeepSpeed otherwise probes for an accelerator and
-    warns on CPU. Permanent."""
-    return {"DS_ACCELERATOR": "cuda" if use_gpu else "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    warns on CPU. On a GPU, PYTORCH_CUDA_ALLOC_CONF = GPU_ALLOCATOR unless the job's environment sets its own.
+    Permanent."""
+    env = {"DS_ACCELERATOR": "cuda" if use_gpu else "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    if use_gpu:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", GPU_ALLOCATOR)
+    return env
 
 
 @contextlib.contextmanager

@@ -161,3 +161,17 @@ def test_a_wider_model_skips_checkpointing_at_fewer_tokens():
 def test_max_tokens_per_forward_refuses_zero():
     with pytest.raises(Exception, match="model.max_tokens_per_forward = 0"):
         job(1, max_tokens_per_forward=0)
+
+
+def test_a_gpu_learner_grows_its_allocator_segments_unless_the_job_says_otherwise(monkeypatch):
+    """The learner's forwards change size; fixed segments keep blocks the next forward does not fit (tandem/core/
+    compat.py). A setting of the job's own stands; a CPU learner is left alone; off a GPU no peaks are reported."""
+    from tandem.core.compat import GPU_ALLOCATOR, learner_env_vars
+    from tandem.learner.metrics import memory_peaks
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert learner_env_vars(True)["PYTORCH_CUDA_ALLOC_CONF"] == GPU_ALLOCATOR == "expandable_segments:True"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in learner_env_vars(False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert learner_env_vars(True)["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    assert memory_peaks("cpu") == {}
