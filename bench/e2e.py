@@ -50,22 +50,23 @@ WORKLOADS = {
 _SCALE = dict(lora=dict(r=16, lora_alpha=32), prompts=16, num_generations=8, per_device=8, ga=16, warmup=2, lr=1e-5,
               gradient_checkpointing=True)
 # `longtail`: SFT on (prompt, random tokens, EOS). Every `long_every`-th prompt of the workload asks for "a long
-# number": the warm-up teaches those (a `teach_long` share of its examples) to run to the cap without EOS, the others a
-# geometric length with median cap / median_div (and with probability long_frac to the cap too); the candidates take
-# the prompts in file order (Tandem's data.shuffle and TRL's shuffle_dataset off), so every step holds the same long
-# groups in every candidate. Why by the prompt: a mixture the model is only taught in its lengths lands far from where
-# it samples, and moves with the SFT (on the H200 at median cap / 8: long_frac 0.15 sampled 2.9% at the cap, 0.3
-# sampled 31.5%; at cap / 12, 0.21 sampled 0.5%, p50 258: bench/results/e2e_gpu_scale.md, sessions 18-20); a prompt
-# the model can read makes the share at the cap the share of long prompts. The vllm_ceiling candidate reports the
-# sampled p50, p95 and share at the cap: check them against issue 30's (median <= cap / 4, >= 5% at the cap).
-# The CPU variant (cap 64, 300 steps at cap / 7, every 8th prompt long) sampled p50 10.5, p95 64 and 10.9% at the cap
-# (vllm_ceiling, 16 groups, two of them long: 12.5% asked for); the mixture there (15%) had sampled 2.3%.
+# number": the warm-up teaches those (a `teach_long` share of its examples) to run to the cap without EOS in ids of their
+# own (`long_ids`), the others a geometric length with median cap / median_div in `ids` (and with probability long_frac
+# to the cap too); the candidates take the prompts in file order (Tandem's data.shuffle and TRL's shuffle_dataset off).
+# Why ids of their own: whether to stop is then read off the token before (a bigram, learnt in a few steps), where a
+# prompt the model must attend back to was not learnt by the 1.5B model in 80 steps: it learnt one pooled stopping
+# rate, ~1/780 a token, and sampled p50 697 of 2,048 (bench/results/e2e_gpu_scale.md, session 21). teach_long is the
+# share of long prompts (1 / long_every), so the share at the cap is that whether or not the model reads the prompt.
+# Before that (sessions 18-20) the tail was a mixture taught in lengths alone: it landed far from where it was taught
+# and moved with the SFT (median cap / 8: long_frac 0.15 sampled 2.9% at the cap, 0.3 sampled 31.5%; cap / 12 with
+# 0.21 sampled 0.5%, p50 258). The vllm_ceiling candidate reports the sampled p50, p95 and share at the cap: check them
+# against issue 30's (median <= cap / 4, >= 5% at the cap).
 WORKLOADS.update({
     "1.5b_longtail": dict(model=dict(layers=28, hidden=1536, heads=12, kv_heads=2, intermediate=8960, vocab=151936,
                                      tie=True, dtype="bfloat16"),
                           max_tokens=2048, steps=6, **_SCALE,
-                          longtail=dict(long_every=8, teach_long=0.3, long_frac=0.0, median_div=12, sft_steps=80,
-                                        sft_batch=16, sft_lr=3e-4, ids=[1000, 9000])),
+                          longtail=dict(long_every=8, teach_long=0.125, long_frac=0.0, median_div=12, sft_steps=80,
+                                        sft_batch=16, sft_lr=3e-4, ids=[1000, 9000], long_ids=[9000, 10000])),
     "7b": dict(model=dict(layers=28, hidden=3584, heads=28, kv_heads=4, intermediate=18944, vocab=152064, tie=False,
                           dtype="bfloat16"),
                max_tokens=1024, steps=4, **_SCALE),
@@ -73,8 +74,8 @@ WORKLOADS.update({
                                     dtype="float32"),
                          lora=dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
                          prompts=4, num_generations=8, max_tokens=64, per_device=8, ga=4, steps=4, warmup=1, lr=1e-4,
-                         longtail=dict(long_every=8, teach_long=0.3, long_frac=0.0, sft_steps=300, sft_batch=16,
-                                       sft_lr=3e-3, ids=[100, 400])),
+                         longtail=dict(long_every=8, teach_long=0.125, long_frac=0.0, sft_steps=300, sft_batch=16,
+                                       sft_lr=3e-3, ids=[100, 400], long_ids=[400, 500])),
 })
 
 
@@ -160,7 +161,8 @@ def taught_as(model_dir: Path, lt: dict) -> bool:
 
 def longtail_warm_up(model_dir: Path, wl: dict) -> None:
     """The model taught long-tailed completion lengths (`longtail` above): full fine-tuning on chat prompts of the
-    workload's form followed by random ids from `ids` and EOS. Writes longtail.json (what was taught) beside it."""
+    workload's form followed by random ids from `ids` and EOS (a long prompt's: from `long_ids`, no EOS). Writes
+    longtail.json (what was taught) beside it."""
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -181,7 +183,8 @@ def longtail_warm_up(model_dir: Path, wl: dict) -> None:
                                          add_generation_prompt=True, tokenize=True)
         prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
         n = cap if long or rng.random() < lt["long_frac"] else min(int(rng.geometric(p)) - 1, cap)
-        comp = rng.integers(*lt["ids"], n).tolist() + ([tok.eos_token_id] if n < cap else [])
+        comp = rng.integers(*lt["long_ids" if long and "long_ids" in lt else "ids"], n).tolist() + \
+            ([tok.eos_token_id] if n < cap else [])
         return prompt + comp, [0] * len(prompt) + [1] * len(comp)
     t = time.time()
     model.train()
