@@ -31,7 +31,7 @@ from tandem.learner.grpo import (
 )
 from tandem.learner.logprobs import completion_grpo_loss, completion_logprobs
 from tandem.learner.memory import forward_layout
-from tandem.learner.metrics import accumulate, memory_peaks, reduce_metrics, rollout_stats
+from tandem.learner.metrics import accumulate, memory_peaks, reduce_metrics, rollout_stats, train_phases
 from tandem.learner.model import (
     checkpointing,
     copy_to_cpu,
@@ -244,6 +244,7 @@ class Learner:
         keys = [tuple(m.index % plan.steps_per_generation for m in opt_step) for opt_step in plan.optimizer_steps()]
         forwards = {key: [to_device(f, self.device) for f in self._forwards(s, adv, key)] for key in dict.fromkeys(keys)}
         self.engine.train()
+        t_prepared = time.time()
         with torch.no_grad():
             old = {k: [self._logp(f)[0] for f in fs] for k, fs in forwards.items()} if self.needs_old() else None
             ref = {k: [self._logp(f, reference=True) for f in fs] for k, fs in forwards.items()} if g.beta > 0 else None
@@ -255,9 +256,11 @@ class Learner:
             computed += sum(int(f["input_ids"].numel()) for f in fs)
             pairs += sum(attention_pairs(f) for f in fs)
         self.version += 1
+        t_trained = time.time()
         batch_stats = rollout_stats(s, plan.num_generations, weights, self.version - 1, rewards.numpy())
         train_s = time.time() - t0
         batch_stats.update(self._throughput(tokens, pairs, train_s))
+        batch_stats.update(train_phases(t0, t_prepared, t_trained, t0 + train_s))
         batch_stats["learner/forwards_per_step"] = sum(map(len, forwards.values())) / len(forwards)
         batch_stats["learner/max_tokens_per_forward"] = float(self.token_budget or 0)  # 0: the plan's micro-batches
         batch_stats["learner/padding_frac"] = 1 - tokens / max(computed, 1)  # the forward's share spent on padding

@@ -105,3 +105,13 @@ def memory_peaks(device) -> dict:
     gib = float(1 << 30)
     return {"learner/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
             "learner/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib}
+
+
+def train_phases(start: float, prepared: float, trained: float, end: float) -> dict:
+    """Where a `train` call's time went (verl's timing_s/* in spirit): learner/time/prepare_s, the host's work before
+    the first forward (the groups fetched, advantages, the forwards packed and moved to the device);
+    forwards_s, every forward, backward and optimizer step (old and reference log-probs included; each forward ends
+    in a host sync on its loss, so this is the device's time too); finish_s, the batch's statistics after. They add
+    up to train_s."""
+    return {"learner/time/prepare_s": prepared - start, "learner/time/forwards_s": trained - prepared,
+            "learner/time/finish_s": end - trained}

@@ -73,8 +73,10 @@ def init_local_ray(num_cpus: int, **kwargs) -> None:
 # The learner's packed forwards change size from one to the next, and a colocated engine allocates between them: the
 # caching allocator's fixed segments then keep blocks no later request fits (learner/peak_reserved_gib against
 # _allocated_gib). Expandable segments grow and reuse one mapping instead (torch's CUDA semantics notes; Unsloth sets
-# the same before it loads vLLM in its process). Not with vLLM's sleep mode (its CuMemAllocator refuses them): Tandem
-# does not use it.
+# the same before it loads vLLM in its process). At 7B colocated on an H200 the GPU peaked at 73.9 GiB with them
+# (5,235-token forwards; the allocator 2.8 GiB over the tensors) against 79.9 without (4,096-token forwards):
+# bench/results/e2e_gpu_scale.md, sessions 20-21. Not with vLLM's sleep mode (its CuMemAllocator refuses them):
+# Tandem does not use it.
 GPU_ALLOCATOR = "expandable_segments:True"
 
 
