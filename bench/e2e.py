@@ -183,8 +183,7 @@ def longtail_warm_up(model_dir: Path, wl: dict) -> None:
                                          add_generation_prompt=True, tokenize=True)
         prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
         n = cap if long or rng.random() < lt["long_frac"] else min(int(rng.geometric(p)) - 1, cap)
-        comp = rng.integers(*lt["long_ids" if long and "long_ids" in lt else "ids"], n).tolist() + \
-            ([tok.eos_token_id] if n < cap else [])
+        comp = rng.integers(*lt["long_ids" if long else "ids"], n).tolist() + ([tok.eos_token_id] if n < cap else [])
         return prompt + comp, [0] * len(prompt) + [1] * len(comp)
     t = time.time()
     model.train()
