@@ -137,9 +137,14 @@ def prompt_text(i: int, wl: dict) -> str:
     return number_prompt(i, long_prompt(i, wl))
 
 
+def long_every(wl: dict) -> int | None:
+    """Every how many prompts of the workload one asks for a long answer (longtail.long_every); None: none does."""
+    return (wl.get("longtail") or {}).get("long_every")
+
+
 def long_prompt(i: int, wl: dict) -> bool:
-    """The workload's i-th prompt asks for a long answer: every longtail.long_every-th."""
-    every = (wl.get("longtail") or {}).get("long_every")
+    """The workload's i-th prompt asks for a long answer: every long_every-th."""
+    every = long_every(wl)
     return bool(every) and i % every == 0
 
 
@@ -150,7 +155,7 @@ def number_prompt(i: int, long: bool) -> str:
 
 def in_order(wl: dict) -> bool:
     """The candidates take the prompts in file order (the long prompts' places fixed: `longtail` above)."""
-    return bool((wl.get("longtail") or {}).get("long_every"))
+    return bool(long_every(wl))
 
 
 def taught_as(model_dir: Path, lt: dict) -> bool:
@@ -178,7 +183,7 @@ def longtail_warm_up(model_dir: Path, wl: dict) -> None:
     rng = np.random.default_rng(0)
 
     def example():
-        long = bool(lt.get("long_every")) and rng.random() < lt.get("teach_long", 0.0)
+        long = bool(long_every(wl)) and rng.random() < lt.get("teach_long", 0.0)
         prompt = tok.apply_chat_template([{"role": "user", "content": number_prompt(int(rng.integers(1000)), long)}],
                                          add_generation_prompt=True, tokenize=True)
         prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
