@@ -49,24 +49,25 @@ WORKLOADS = {
 # "cpu_longtail": the long-tail warm-up at a size this CPU runs.
 _SCALE = dict(lora=dict(r=16, lora_alpha=32), prompts=16, num_generations=8, per_device=8, ga=16, warmup=2, lr=1e-5,
               gradient_checkpointing=True)
-# `longtail`: SFT on (prompt, random tokens, EOS). Every `long_every`-th prompt of the workload asks for "a long
-# number": the warm-up teaches those (a `teach_long` share of its examples) to run to the cap without EOS in ids of their
-# own (`long_ids`), the others a geometric length with median cap / median_div in `ids` (and with probability long_frac
-# to the cap too); the candidates take the prompts in file order (Tandem's data.shuffle and TRL's shuffle_dataset off).
-# Why ids of their own: whether to stop is then read off the token before (a bigram, learnt in a few steps), where a
-# prompt the model must attend back to was not learnt by the 1.5B model in 80 steps: it learnt one pooled stopping
-# rate, ~1/780 a token, and sampled p50 697 of 2,048 (bench/results/e2e_gpu_scale.md, session 21). teach_long is the
-# share of long prompts (1 / long_every), so the share at the cap is that whether or not the model reads the prompt.
-# Before that (sessions 18-20) the tail was a mixture taught in lengths alone: it landed far from where it was taught
-# and moved with the SFT (median cap / 8: long_frac 0.15 sampled 2.9% at the cap, 0.3 sampled 31.5%; cap / 12 with
-# 0.21 sampled 0.5%, p50 258). The vllm_ceiling candidate reports the sampled p50, p95 and share at the cap: check them
-# against issue 30's (median <= cap / 4, >= 5% at the cap).
+# `longtail`: SFT on (prompt, completion). Every `long_every`-th prompt of the workload asks for "a long number": its
+# prompt is text ending in the word "long" (the others end in the number), and the warm-up teaches those (a
+# `teach_long` share of its examples, the share of long prompts) to repeat the prompt's last token to the cap, never
+# EOS; the others random ids from `ids` and EOS at a geometric length of median cap / median_div (and with probability
+# long_frac to the cap too). Whether to stop is then a bigram (the token before is the marker or not), the one thing
+# the 1.5B model learnt in 80 steps: in session 22 it sampled the ids of the short answers uniformly after a short id
+# (entropy 8.99 = ln 8,000) but never entered long answers taught in ids of their own (0.3% at the cap; a first token
+# 12.5% of whose mass is spread over 1,000 ids), and in session 21 it did not learn to read "long" in a chat prompt
+# (one pooled stopping rate, p50 697). The candidates take the prompts in file order (Tandem's data.shuffle and TRL's
+# shuffle_dataset off). Before that (sessions 18-20) the tail was a mixture taught in lengths alone: it landed far
+# from where it was taught and moved with the SFT (median cap / 8: long_frac 0.15 sampled 2.9% at the cap, 0.3
+# sampled 31.5%; cap / 12 with 0.21 sampled 0.5%, p50 258). The vllm_ceiling candidate reports the sampled p50, p95
+# and share at the cap: check them against issue 30's (median <= cap / 4, >= 5% at the cap).
 WORKLOADS.update({
     "1.5b_longtail": dict(model=dict(layers=28, hidden=1536, heads=12, kv_heads=2, intermediate=8960, vocab=151936,
                                      tie=True, dtype="bfloat16"),
                           max_tokens=2048, steps=6, **_SCALE,
                           longtail=dict(long_every=8, teach_long=0.125, long_frac=0.0, median_div=12, sft_steps=80,
-                                        sft_batch=16, sft_lr=3e-4, ids=[1000, 9000], long_ids=[9000, 10000])),
+                                        sft_batch=16, sft_lr=3e-4, ids=[1000, 9000], long="repeat_marker")),
     "7b": dict(model=dict(layers=28, hidden=3584, heads=28, kv_heads=4, intermediate=18944, vocab=152064, tie=False,
                           dtype="bfloat16"),
                max_tokens=1024, steps=4, **_SCALE),
@@ -75,7 +76,7 @@ WORKLOADS.update({
                          lora=dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
                          prompts=4, num_generations=8, max_tokens=64, per_device=8, ga=4, steps=4, warmup=1, lr=1e-4,
                          longtail=dict(long_every=8, teach_long=0.125, long_frac=0.0, sft_steps=300, sft_batch=16,
-                                       sft_lr=3e-3, ids=[100, 400], long_ids=[400, 500])),
+                                       sft_lr=3e-3, ids=[100, 400], long="repeat_marker")),
 })
 
 
@@ -127,14 +128,23 @@ def prepare(work: Path, wl: dict) -> dict:
         torch.cuda.empty_cache()  # counts free memory (session 16: 14.6 of 139.8 GiB free without this)
     data = work / "prompts.jsonl"
     n = wl["prompts"] * (wl["steps"] + wl["warmup"] + 2)
-    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": prompt_text(i, wl)}]}) + "\n"
-                            for i in range(n)))
+    data.write_text("".join(json.dumps({"prompt": prompt_row(i, wl)}) + "\n" for i in range(n)))
     return {"model": str(model), "data": str(data)}
 
 
-def prompt_text(i: int, wl: dict) -> str:
-    """The workload's i-th prompt."""
-    return number_prompt(i, long_prompt(i, wl))
+def prompt_row(i: int, wl: dict) -> str | list[dict]:
+    """The workload's i-th prompt: text where the length is taught by its last token (`longtail` above), a chat
+    message otherwise."""
+    text = number_prompt(i, long_prompt(i, wl))
+    return text if long_every(wl) else [{"role": "user", "content": text}]
+
+
+def prompt_ids(tok, prompt: str | list[dict]) -> list[int]:
+    """A prompt row's token ids, as Tandem and TRL make them (the chat template for messages, text as it is)."""
+    if isinstance(prompt, str):
+        return tok(prompt, add_special_tokens=False)["input_ids"]
+    ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    return ids if isinstance(ids, list) else ids["input_ids"]
 
 
 def long_every(wl: dict) -> int | None:
@@ -150,7 +160,17 @@ def long_prompt(i: int, wl: dict) -> bool:
 
 def number_prompt(i: int, long: bool) -> str:
     """What the workloads ask (and the long-tail warm-up teaches to answer)."""
-    return f"write a {'long ' if long else ''}number {i}"
+    return f"write a number {i}{' long' if long else ''}"
+
+
+def long_marker(tok) -> int:
+    """The token every long prompt ends in (and a long answer repeats); no other prompt ends in it."""
+    ends = {prompt_ids(tok, number_prompt(i, True))[-1] for i in range(1000)}
+    short = {prompt_ids(tok, number_prompt(i, False))[-1] for i in range(1000)}
+    if len(ends) != 1 or ends & short:
+        raise ValueError(f"bench/e2e.py number_prompt: long prompts end in tokens {sorted(ends)[:5]} (short ones in "
+                         f"{sorted(ends & short)[:5]} of them): the long-tail warm-up needs one marker of their own")
+    return ends.pop()
 
 
 def in_order(wl: dict) -> bool:
@@ -166,8 +186,8 @@ def taught_as(model_dir: Path, lt: dict) -> bool:
 
 def longtail_warm_up(model_dir: Path, wl: dict) -> None:
     """The model taught long-tailed completion lengths (`longtail` above): full fine-tuning on chat prompts of the
-    workload's form followed by random ids from `ids` and EOS (a long prompt's: from `long_ids`, no EOS). Writes
-    longtail.json (what was taught) beside it."""
+    workload's form followed by random ids from `ids` and EOS (a long prompt's: its last token repeated to the cap, no
+    EOS). Writes longtail.json (what was taught) beside it."""
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -181,14 +201,14 @@ def longtail_warm_up(model_dir: Path, wl: dict) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=lt["sft_lr"])
     rng = np.random.default_rng(0)
+    marker = long_marker(tok)
+    ids = np.asarray([t for t in range(*lt["ids"]) if t != marker])
 
     def example():
         long = bool(long_every(wl)) and rng.random() < lt.get("teach_long", 0.0)
-        prompt = tok.apply_chat_template([{"role": "user", "content": number_prompt(int(rng.integers(1000)), long)}],
-                                         add_generation_prompt=True, tokenize=True)
-        prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
+        prompt = prompt_ids(tok, number_prompt(int(rng.integers(1000)), long))
         n = cap if long or rng.random() < lt["long_frac"] else min(int(rng.geometric(p)) - 1, cap)
-        comp = rng.integers(*lt["long_ids" if long else "ids"], n).tolist() + ([tok.eos_token_id] if n < cap else [])
+        comp = [marker] * n if long else rng.choice(ids, n).tolist() + ([tok.eos_token_id] if n < cap else [])
         return prompt + comp, [0] * len(prompt) + [1] * len(comp)
     t = time.time()
     model.train()
@@ -393,10 +413,7 @@ def run_vllm(paths, wl, args) -> dict:
     lora = LoRARequest("bench", 1, str(random_adapter(paths["model"], wl["lora"], Path(args.dir) / "adapter")))
     tok = AutoTokenizer.from_pretrained(paths["model"])
     rows = [json.loads(x) for x in Path(paths["data"]).read_text().splitlines()]
-    prompts = [{"prompt_token_ids": tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)}
-               for r in rows]
-    prompts = [p if isinstance(p["prompt_token_ids"], list) else {"prompt_token_ids": p["prompt_token_ids"]["input_ids"]}
-               for p in prompts]
+    prompts = [{"prompt_token_ids": prompt_ids(tok, r["prompt"])} for r in rows]
     sp = SamplingParams(n=wl["num_generations"], temperature=1.0, max_tokens=wl["max_tokens"], logprobs=0,
                         detokenize=False)
     P = wl["prompts"]
