@@ -54,14 +54,14 @@ _SCALE = dict(lora=dict(r=16, lora_alpha=32), prompts=16, num_generations=8, per
 # `teach_long` share of its examples, the share of long prompts) to repeat the prompt's last token to the cap, never
 # EOS; the others random ids from `ids` and EOS at a geometric length of median cap / median_div (and with probability
 # long_frac to the cap too). Whether to stop is then a bigram (the token before is the marker or not), the one thing
-# the 1.5B model learnt in 80 steps: in session 22 it sampled the ids of the short answers uniformly after a short id
-# (entropy 8.99 = ln 8,000) but never entered long answers taught in ids of their own (0.3% at the cap; a first token
-# 12.5% of whose mass is spread over 1,000 ids), and in session 21 it did not learn to read "long" in a chat prompt
-# (one pooled stopping rate, p50 697). The candidates take the prompts in file order (Tandem's data.shuffle and TRL's
-# shuffle_dataset off). Before that (sessions 18-20) the tail was a mixture taught in lengths alone: it landed far
-# from where it was taught and moved with the SFT (median cap / 8: long_frac 0.15 sampled 2.9% at the cap, 0.3
-# sampled 31.5%; cap / 12 with 0.21 sampled 0.5%, p50 258). The vllm_ceiling candidate reports the sampled p50, p95
-# and share at the cap: check them against issue 30's (median <= cap / 4, >= 5% at the cap).
+# the 1.5B model learnt in 80 steps: it sampled p50 176 and 14.3% at the cap (session 22). Taught otherwise it missed:
+# long answers in ids of their own were never entered (0.3% at the cap; 12.5% of the first token's mass spread over
+# 1,000 ids stands out from none of the 8,000 short ones), "long" inside a chat prompt was not read (one pooled stopping
+# rate, p50 697, session 21), and a mixture taught in lengths alone (sessions 18-20) landed far from where it was
+# taught (median cap / 8: long_frac 0.15 sampled 2.9% at the cap, 0.3 sampled 31.5%; cap / 12 with 0.21 sampled 0.5%).
+# The candidates take the prompts in file order (Tandem's data.shuffle and TRL's shuffle_dataset off). The vllm_ceiling
+# candidate reports the sampled p50, p95 and share at the cap: check them against issue 30's (median <= cap / 4, >= 5%
+# at the cap).
 WORKLOADS.update({
     "1.5b_longtail": dict(model=dict(layers=28, hidden=1536, heads=12, kv_heads=2, intermediate=8960, vocab=151936,
                                      tie=True, dtype="bfloat16"),
