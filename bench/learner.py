@@ -134,6 +134,27 @@ def layouts(a, wl):
     return lr, groups
 
 
+# Kernel names by what they do (cuBLAS/CUTLASS matmuls, FlashAttention, Liger's norms and SwiGLU, the lm_head's
+# log-prob kernels of kernels/triton_logprobs.py, torch's elementwise and reduction kernels, copies); first match wins.
+KERNEL_KINDS = (("matmul", ("gemm", "nvjet", "cutlass", "xmma", "gemv", "splitk")),
+                ("attention", ("flash", "fmha", "attn")),
+                ("norm+swiglu", ("rms_norm", "swiglu")),
+                ("logprobs", ("_logits_tiles", "_tiles_grpo", "_row_", "_lse_", "_grad_pass", "_scale_cast")),
+                ("elementwise", ("elementwise", "vectorized", "unrolled")),
+                ("reduce", ("reduce",)),
+                ("copy", ("memcpy", "memset", "copy", "cat")))
+
+
+def kernel_kinds(kernels: list[tuple[str, float]]) -> dict[str, float]:
+    """Seconds of kernel time by KERNEL_KINDS (and "other"), largest first."""
+    out: dict[str, float] = {}
+    for name, t in kernels:
+        low = name.lower()
+        kind = next((k for k, pats in KERNEL_KINDS if any(p in low for p in pats)), "other")
+        out[kind] = out.get(kind, 0.0) + t
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def profiled(lr, groups, sync):
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -149,8 +170,11 @@ def profiled(lr, groups, sync):
     if torch.cuda.is_available():
         from torch.autograd import DeviceType
 
-        busy = sum(e.self_device_time_total for e in ev if e.device_type == DeviceType.CUDA) / 1e6  # kernels only
+        kernels = [(e.key, e.self_device_time_total / 1e6) for e in ev if e.device_type == DeviceType.CUDA]
+        busy = sum(t for _, t in kernels)
         print(f"\nprofiled train: wall {wall:.3f} s, kernels {busy:.3f} s ({busy / wall:.0%} of the wall time)")
+        print("kernel time by kind: " + ", ".join(f"{k} {t:.3f} s ({t / max(busy, 1e-9):.0%})"
+                                                    for k, t in kernel_kinds(kernels).items()))
     print(ev.table(sort_by=key, row_limit=25, max_name_column_width=70))
 
 
