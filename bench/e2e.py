@@ -185,7 +185,7 @@ def taught_as(model_dir: Path, lt: dict) -> bool:
 
 
 def longtail_warm_up(model_dir: Path, wl: dict) -> None:
-    """The model taught long-tailed completion lengths (`longtail` above): full fine-tuning on chat prompts of the
+    """The model taught long-tailed completion lengths (`longtail` above): full fine-tuning on prompts of the
     workload's form followed by random ids from `ids` and EOS (a long prompt's: its last token repeated to the cap, no
     EOS). Writes longtail.json (what was taught) beside it."""
     import numpy as np
