@@ -393,8 +393,10 @@ def random_adapter(model_path: str, lora: dict, out: Path) -> Path:
     return out
 
 
-def run_vllm(paths, wl, args) -> dict:
-    """The engine alone with the same settings Tandem's worker uses, generating the same batches."""
+def run_vllm(paths, wl, args, lora: bool = True) -> dict:
+    """The engine alone with the same settings Tandem's worker uses, generating the same batches; lora=False: the
+    base weights without vLLM's LoRA layers, as an engine serving merged weights runs (TRL's colocated vLLM; the
+    `vllm_merged` candidate: what the LoRA kernels cost a decode step)."""
     import numpy as np
 
     from tandem.core.compat import before_vllm_import
@@ -404,13 +406,15 @@ def run_vllm(paths, wl, args) -> dict:
     from vllm.lora.request import LoRARequest
 
     gpu = on_gpu(args.workload)
-    kw = dict(model=paths["model"], dtype=wl["model"]["dtype"], enforce_eager=not gpu, seed=0, max_model_len=64 + wl["max_tokens"],
-              logprobs_mode="processed_logprobs", distributed_executor_backend="uni", enable_lora=True,
-              max_lora_rank=max(8, wl["lora"]["r"]), max_loras=2)
+    kw = dict(model=paths["model"], dtype=wl["model"]["dtype"], enforce_eager=not gpu, seed=0,
+              max_model_len=64 + wl["max_tokens"], logprobs_mode="processed_logprobs",
+              distributed_executor_backend="uni", enable_lora=lora,
+              **(dict(max_lora_rank=max(8, wl["lora"]["r"]), max_loras=2) if lora else {}))
     kw.update({"gpu_memory_utilization": args.vllm_memory or TRL_VLLM_MEMORY} if gpu
               else {"kv_cache_memory_bytes": 256 << 20})
     llm = LLM(**kw)
-    lora = LoRARequest("bench", 1, str(random_adapter(paths["model"], wl["lora"], Path(args.dir) / "adapter")))
+    adapter = LoRARequest("bench", 1, str(random_adapter(paths["model"], wl["lora"], Path(args.dir) / "adapter"))) \
+        if lora else None
     tok = AutoTokenizer.from_pretrained(paths["model"])
     rows = [json.loads(x) for x in Path(paths["data"]).read_text().splitlines()]
     prompts = [{"prompt_token_ids": prompt_ids(tok, r["prompt"])} for r in rows]
@@ -422,7 +426,7 @@ def run_vllm(paths, wl, args) -> dict:
         if i == wl["warmup"]:
             stop = gpu_sampler()
         t = time.time()
-        outs = llm.generate(prompts[i * P:(i + 1) * P], sp, lora_request=lora, use_tqdm=False)
+        outs = llm.generate(prompts[i * P:(i + 1) * P], sp, lora_request=adapter, use_tqdm=False)
         if i >= wl["warmup"]:
             times.append(time.time() - t)
             toks += [len(c.token_ids) for o in outs for c in o.outputs]
@@ -554,7 +558,7 @@ def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("candidate", choices=list(TANDEM) + ["vllm_ceiling", "trl_colocate", "trl"])
+    r.add_argument("candidate", choices=list(TANDEM) + ["vllm_ceiling", "vllm_merged", "trl_colocate", "trl"])
     r.add_argument("--workload", default="gpu", choices=list(WORKLOADS))
     r.add_argument("--dir", default="/tmp/tandem-e2e")
     r.add_argument("--json", required=True)
@@ -566,7 +570,7 @@ def main():
     r.add_argument("--set", action="append", default=[], help="workload key=value (e.g. prompts=8)")
     t = sub.add_parser("table")
     t.add_argument("out_dir")
-    t.add_argument("--names", default="tandem_k0,tandem_k1,vllm_ceiling,trl_colocate")
+    t.add_argument("--names", default="tandem_k0,tandem_k1,vllm_ceiling,vllm_merged,trl_colocate")
     t.add_argument("--ceiling", default="vllm_ceiling")
     t.add_argument("--peer", default="trl_colocate")
     a = ap.parse_args()
@@ -581,7 +585,8 @@ def main():
         k, mode, vllm = TANDEM[a.candidate]
         res = run_tandem(paths, wl, k, a, mode, vllm)
     else:
-        res = run_vllm(paths, wl, a) if a.candidate == "vllm_ceiling" else run_trl(paths, wl, a)
+        res = run_vllm(paths, wl, a, lora=a.candidate == "vllm_ceiling") if a.candidate.startswith("vllm_") \
+            else run_trl(paths, wl, a)
     # under CUDA MPS (bench/device/with_mps.sh), the processes' kernels run side by side
     res.update(candidate=a.candidate, workload=a.workload, versions=versions(), wl=wl,
                cuda_mps="CUDA_MPS_PIPE_DIRECTORY" in os.environ)

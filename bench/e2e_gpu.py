@@ -6,6 +6,9 @@ vLLM ceiling, TRL's GRPOTrainer in colocate mode; the same model (Qwen2.5-0.5B's
   python3 bench/e2e_gpu.py [--candidates tandem_k0,tandem_k1,vllm_ceiling,trl_colocate] [--out DIR]
       [--rollout-gpus 0.4 --learner-gpus 0.4 --vllm-memory S]   # placement (two GPUs: 1 / 1 / 0.85)
   python3 bench/e2e_gpu.py --table-only --out DIR   # the table of what DIR holds
+
+`vllm_merged` (not in the default list): vLLM alone on the base weights without its LoRA layers, as an engine
+serving merged weights runs (TRL's colocated one): beside `vllm_ceiling`, what the LoRA kernels cost.
 """
 
 import argparse
