@@ -73,25 +73,28 @@ class TandemWorkerExtension:
 
 class AdapterMerge:
     """W + (lora_alpha / r) B A for every module a PEFT adapter wraps (what peft's merge_adapter computes, and
-    what TRL loads into vLLM), from the base weights in the model's safetensors, read once."""
+    what TRL loads into vLLM), from the base weights in the model's safetensors, read once (pinned where the engine
+    is on a GPU). Merged on the engine's device one module at a time, each handed to vLLM before the next is made:
+    on a GPU a 7B's adapted weights are ~13 GB, which neither the host (float32 on the CPU, seconds a publish) nor a
+    second copy in GPU memory should carry."""
 
-    def __init__(self, model_path: str, lora):
-        self.model_path, self.scale, self.base = Path(model_path), lora.lora_alpha / lora.r, None
+    def __init__(self, model_path: str, lora, device: str = "cpu"):
+        self.model_path, self.scale, self.base, self.device = Path(model_path), lora.lora_alpha / lora.r, None, device
 
-    def merged(self, tensors: dict) -> dict:
-        """PEFT state dict -> {HF weight name: merged weight} of the wrapped modules."""
+    def merged(self, tensors: dict):
+        """PEFT state dict -> (HF weight name, merged weight on self.device) of each wrapped module, one at a time."""
         import torch
 
         mods = sorted({k[:k.index(".lora_A.")] for k in tensors if ".lora_A." in k})
         names = {m: m.removeprefix("base_model.model.") + ".weight" for m in mods}
         if self.base is None:
             self.base = self._read(set(names.values()))
-        out = {}
+        dev = torch.device(self.device)
         for m, w in names.items():
-            a, b = tensors[f"{m}.lora_A.weight"].float(), tensors[f"{m}.lora_B.weight"].float()
+            a = tensors[f"{m}.lora_A.weight"].to(dev, torch.float32)
+            b = tensors[f"{m}.lora_B.weight"].to(dev, torch.float32)
             base = self.base[w]
-            out[w] = torch.addmm(base.float(), b, a, alpha=self.scale).to(base.dtype)
-        return out
+            yield w, torch.addmm(base.to(dev, non_blocking=True).float(), b, a, alpha=self.scale).to(base.dtype)
 
     def _read(self, names: set) -> dict:
         from safetensors import safe_open
@@ -100,6 +103,8 @@ class AdapterMerge:
         for f in sorted(self.model_path.glob("*.safetensors")):
             with safe_open(str(f), framework="pt") as st:
                 found.update({k: st.get_tensor(k) for k in names & set(st.keys())})
+        if self.device != "cpu":  # the copy to the GPU each publish runs asynchronously from pinned memory
+            found = {k: v.pin_memory() for k, v in found.items()}
         if missing := sorted(names - set(found)):
             raise KeyError(f"AdapterMerge: {self.model_path}/*.safetensors lacks the base weights {missing[:3]} the "
                            f"adapter wraps ({len(missing)} missing); set cluster.vllm_merge_adapter: false")
@@ -128,7 +133,8 @@ class VLLMEngine(Engine):
         self.model_path, self.lora = model_path, lora
         # merged: the adapter folded into the weights, one version served at a time (the worker drains)
         self.serves_one_version = lora is not None and (on_cpu if merge_adapter is None else merge_adapter)
-        self._merge = AdapterMerge(model_path, lora) if self.serves_one_version else None
+        self._device = "cpu" if on_cpu else f"cuda:{torch.cuda.current_device()}"
+        self._merge = AdapterMerge(model_path, lora, self._device) if self.serves_one_version else None
         eager = on_cpu if enforce_eager is None else enforce_eager
         kw = dict(model=model_path, dtype=dtype, enforce_eager=eager, seed=seed, max_model_len=max_model_len,
                   logprobs_mode="processed_logprobs", distributed_executor_backend="uni",
@@ -236,7 +242,13 @@ class VLLMEngine(Engine):
         return self._adapters[version].lora_int_id
 
     def load_weights(self, version, tensors):
-        items = [(k, v.detach().cpu()) for k, v in tensors.items()]
+        """tensors: {HF name: weight}, or (name, weight) pairs made as vLLM takes them (AdapterMerge.merged); on a
+        GPU engine they stay on its device."""
+        pairs = tensors.items() if isinstance(tensors, dict) else tensors
+        if self._device != "cpu" and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            items = ((k, v.detach()) for k, v in pairs)  # in-process: each taken before the next is made
+        else:  # the engine core in another process gets them serialized
+            items = [(k, v.detach().cpu()) for k, v in pairs]
         self.llm.collective_rpc("tandem_load_weights", args=(items,))
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self.weights_version = version
