@@ -20,6 +20,9 @@ precision of its inputs (float64 in, float64 out), which makes it the float64 or
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -70,14 +73,56 @@ def linear_logprobs_loss_reference(hidden, weight, ids, token_loss, temperature:
 EPSILON, EPSILON_HIGH, DELTA, BETA = 0.2, None, None, 0.0
 
 
+def truncated_is(d, log_cap: float, log_min: float, masks: bool):
+    """The truncated-importance-sampling weight from d = log(policy / sampler) (docs/grpo.md §4.6): exp(d) clamped
+    to [log_min, log_cap] in log space (truncate), or 0 outside it (mask: exp(min(d, log_cap)) inside)."""
+    if masks:
+        return torch.where((d > log_cap) | (d < log_min), torch.zeros_like(d), torch.exp(d.clamp(max=log_cap)))
+    return torch.exp(d.clamp(min=log_min, max=log_cap))
+
+
+@dataclass(frozen=True)
+class TisFromLogp:
+    """On-policy truncated IS at token level, its weight taken from each token's own log-prob inside the loss's
+    pass (a constant there): truncated_is(logp - sampler_logp, log(cap), log(clip_min)). mode: token_truncate or
+    token_mask (the sequence modes need a whole sequence's log-probs first: a pass of their own)."""
+
+    sampler_logp: torch.Tensor
+    cap: float
+    clip_min: float | None = None
+    mode: str = "token_truncate"
+
+    def __post_init__(self):
+        if self.mode not in ("token_truncate", "token_mask"):
+            raise ValueError(f"tandem.kernels.TisFromLogp: mode = {self.mode!r}; allowed: token_truncate, token_mask")
+        if not self.cap or self.cap <= 0:
+            raise ValueError(f"tandem.kernels.TisFromLogp: cap = {self.cap!r}; must be a positive number")
+
+    @property
+    def masks(self) -> bool:
+        return self.mode == "token_mask"
+
+    def log_bounds(self) -> tuple[float, float]:
+        return math.log(self.cap), (-math.inf if self.clip_min is None else math.log(self.clip_min))
+
+    def weight(self, logp, s: int, e: int):
+        """The weight of tokens s..e from their log-probs (detached)."""
+        dt = torch.promote_types(logp.dtype, torch.float32)
+        d = logp.detach().to(dt) - self.sampler_logp[s:e].to(dt)
+        return truncated_is(d, *self.log_bounds(), self.masks).to(logp.dtype)
+
+
 def grpo_token_terms(old_logp, advantages, token_weight, *, epsilon=EPSILON, epsilon_high=EPSILON_HIGH,
-                     delta=DELTA, beta=BETA, ref_logp=None, tis=None):
+                     delta=DELTA, beta=BETA, ref_logp=None, tis=None, tis_from: TisFromLogp | None = None):
     """linear_grpo_loss's per-token terms, for linear_logprobs_loss: token_loss(logp[s:e], s, e) ->
     token_weight * (-min(r·A, clip(r)·A) · tis + beta · k3) on tokens s..e, r = exp(logp - old), the
     unclipped ratio capped at delta. Flat [N] inputs (tensors or scalars); old_logp None = on-policy
-    (old = logp detached); tis: the truncated-IS weight or None; ref_logp when beta > 0. Written out
+    (old = logp detached); tis: the truncated-IS weight or None, or tis_from (on-policy) to take it from logp;
+    ref_logp when beta > 0. Written out
     here, independently of learner.grpo.per_token_loss ([B, T] form), which the tests compare it with."""
     hi = epsilon if epsilon_high is None else epsilon_high
+    if tis_from is not None and (old_logp is not None or tis is not None):
+        raise ValueError("tandem.kernels.grpo_token_terms: tis_from is the on-policy weight (old_logp None, no tis)")
 
     def col(x, s, e, like):
         return torch.as_tensor(x, dtype=like.dtype, device=like.device).expand(e - s) if not torch.is_tensor(x) \
@@ -95,6 +140,8 @@ def grpo_token_terms(old_logp, advantages, token_weight, *, epsilon=EPSILON, eps
         loss = -torch.minimum(unclipped * a, r.clamp(1 - epsilon, 1 + hi) * a)
         if tis is not None:
             loss = loss * col(tis, s, e, logp)
+        elif tis_from is not None:  # masked tokens' sampler log-probs may be garbage: weight 1 there, then 0 below
+            loss = loss * torch.where(m, tis_from.weight(logp, s, e), torch.ones_like(logp))
         if beta > 0:
             k = torch.where(m, col(ref_logp, s, e, logp) - logp, zero).clamp(-20.0, 20.0)
             loss = loss + beta * (torch.exp(k) - k - 1)

@@ -143,9 +143,21 @@ def _lse_from_tiles(pm_ptr, ps_ptr, pt_ptr, NP, WITH_ENT: tl.constexpr, PBLOCK: 
 
 @triton.jit
 def _grpo_coef(row, lp, logp_ptr, loss_ptr, old_ptr, adv_ptr, wt_ptr, tis_ptr, ref_ptr, inv_t, lo, hi, delta, beta,
-               HAS_KL: tl.constexpr, ON_POLICY: tl.constexpr):
-    """A row's log-prob lp stored, its weighted GRPO loss stored, dL/dlp * weight / T returned."""
+               log_cap, log_min, HAS_KL: tl.constexpr, ON_POLICY: tl.constexpr, TIS_LP: tl.constexpr,
+               TIS_MASK: tl.constexpr):
+    """A row's log-prob lp stored, its weighted GRPO loss stored, dL/dlp * weight / T returned. TIS_LP: tis_ptr
+    holds the sampler's log-prob and the truncated-IS weight is taken from lp (on-policy: old = lp), a constant:
+    exp(clamp(lp - sampler, log_min, log_cap)), or with TIS_MASK 0 outside [log_min, log_cap] (token modes of
+    learner.grpo.tis_weight)."""
     tl.store(logp_ptr + row, lp)
+    if TIS_LP:
+        d = lp - tl.load(tis_ptr + row)
+        if TIS_MASK:
+            tis = tl.where((d > log_cap) | (d < log_min), 0.0, tl.exp(tl.minimum(d, log_cap)))
+        else:
+            tis = tl.exp(tl.minimum(tl.maximum(d, log_min), log_cap))
+    else:
+        tis = tl.load(tis_ptr + row)
     wt = tl.load(wt_ptr + row)
     ref = 0.0
     if HAS_KL:
@@ -154,8 +166,7 @@ def _grpo_coef(row, lp, logp_ptr, loss_ptr, old_ptr, adv_ptr, wt_ptr, tis_ptr, r
         old = lp
     else:
         old = tl.load(old_ptr + row)
-    loss, g = _grpo_token(lp, old, tl.load(adv_ptr + row), tl.load(tis_ptr + row), ref,
-                          lo, hi, delta, beta, HAS_KL)
+    loss, g = _grpo_token(lp, old, tl.load(adv_ptr + row), tis, ref, lo, hi, delta, beta, HAS_KL)
     # masked tokens: weight 0, and their inputs may be garbage (inf/NaN): nothing of them passes
     tl.store(loss_ptr + row, tl.where(wt != 0.0, loss * wt, 0.0))
     return tl.where(wt != 0.0, g * wt, 0.0) * inv_t
@@ -163,8 +174,9 @@ def _grpo_coef(row, lp, logp_ptr, loss_ptr, old_ptr, adv_ptr, wt_ptr, tis_ptr, r
 
 @triton.jit
 def _row_grpo(z_ptr, z_stride, d_ptr, d_stride, ids_ptr, logp_ptr, ent_ptr, loss_ptr,
-              old_ptr, adv_ptr, wt_ptr, tis_ptr, ref_ptr, V, inv_t, lo, hi, delta, beta,
-              HAS_KL: tl.constexpr, ON_POLICY: tl.constexpr, WITH_ENT: tl.constexpr, BLOCK: tl.constexpr):
+              old_ptr, adv_ptr, wt_ptr, tis_ptr, ref_ptr, V, inv_t, lo, hi, delta, beta, log_cap, log_min,
+              HAS_KL: tl.constexpr, ON_POLICY: tl.constexpr, TIS_LP: tl.constexpr, TIS_MASK: tl.constexpr,
+              WITH_ENT: tl.constexpr, BLOCK: tl.constexpr):
     """One row of float32 logits: log-sum-exp (one pass), the loss, then its gradient written as
     dL/dlogits (in place, a second pass)."""
     row = tl.program_id(0).to(tl.int64)
@@ -175,15 +187,15 @@ def _row_grpo(z_ptr, z_stride, d_ptr, d_stride, ids_ptr, logp_ptr, ent_ptr, loss
     tok = tl.load(ids_ptr + row)
     lp = tl.load(zb + tok).to(tl.float32) * inv_t - lse
     coef = _grpo_coef(row, lp, logp_ptr, loss_ptr, old_ptr, adv_ptr, wt_ptr, tis_ptr, ref_ptr, inv_t, lo, hi, delta,
-                      beta, HAS_KL, ON_POLICY)
+                      beta, log_cap, log_min, HAS_KL, ON_POLICY, TIS_LP, TIS_MASK)
     _grad_pass(zb, d_ptr + row * d_stride, coef, lse, tok, V, inv_t, BLOCK)
 
 
 @triton.jit
 def _tiles_grpo(e_ptr, d_ptr, st_ptr, pm_ptr, ps_ptr, pt_ptr, NP, ids_ptr, logp_ptr, ent_ptr, loss_ptr,
-                old_ptr, adv_ptr, wt_ptr, tis_ptr, ref_ptr, V, inv_t, lo, hi, delta, beta,
-                HAS_KL: tl.constexpr, ON_POLICY: tl.constexpr, WITH_ENT: tl.constexpr,
-                BN: tl.constexpr, TB: tl.constexpr, PBLOCK: tl.constexpr):
+                old_ptr, adv_ptr, wt_ptr, tis_ptr, ref_ptr, V, inv_t, lo, hi, delta, beta, log_cap, log_min,
+                HAS_KL: tl.constexpr, ON_POLICY: tl.constexpr, TIS_LP: tl.constexpr, TIS_MASK: tl.constexpr,
+                WITH_ENT: tl.constexpr, BN: tl.constexpr, TB: tl.constexpr, PBLOCK: tl.constexpr):
     """One row after _logits_tiles: log-sum-exp and entropy from its tile statistics, the log-prob
     from its float32 chosen logit, then dL/dlogits = coef * (onehot - e * exp(m_tile - lse)) from the
     float16 e = exp(s - m_tile), written over e (TB tiles of BN at a time): one read, one write."""
@@ -193,7 +205,7 @@ def _tiles_grpo(e_ptr, d_ptr, st_ptr, pm_ptr, ps_ptr, pt_ptr, NP, ids_ptr, logp_
     if WITH_ENT:
         tl.store(ent_ptr + row, ent)
     coef = _grpo_coef(row, tl.load(st_ptr + row) - lse, logp_ptr, loss_ptr, old_ptr, adv_ptr, wt_ptr, tis_ptr,
-                      ref_ptr, inv_t, lo, hi, delta, beta, HAS_KL, ON_POLICY)
+                      ref_ptr, inv_t, lo, hi, delta, beta, log_cap, log_min, HAS_KL, ON_POLICY, TIS_LP, TIS_MASK)
     tok = tl.load(ids_ptr + row)
     eb = e_ptr + row * V
     db = d_ptr + row * V
@@ -580,7 +592,7 @@ class _LinearGRPO(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, ids, tok, params, chunk, with_entropy, need_h, need_w, gw_fp32, tiles):
         N, V = hidden.shape[0], weight.shape[0]
-        temperature, lo, hi, delta, beta = params
+        temperature, lo, hi, delta, beta, log_cap, log_min, tis_lp, tis_mask = params
         logp = torch.empty(N, dtype=torch.float32, device=hidden.device)
         ent = torch.empty_like(logp) if with_entropy else logp
         loss_tok = torch.empty_like(logp)
@@ -589,8 +601,9 @@ class _LinearGRPO(torch.autograd.Function):
         old, adv, wt, tis, ref = tok
         on_policy = old is None
         old = logp if on_policy else old  # a pointer the kernel never reads
-        scalars = (V, 1.0 / temperature, lo, hi, delta, beta)
-        flags = dict(HAS_KL=beta > 0, ON_POLICY=on_policy, WITH_ENT=with_entropy, num_warps=8)
+        scalars = (V, 1.0 / temperature, lo, hi, delta, beta, log_cap, log_min)
+        flags = dict(HAS_KL=beta > 0, ON_POLICY=on_policy, TIS_LP=tis_lp, TIS_MASK=tis_mask, WITH_ENT=with_entropy,
+                     num_warps=8)
         for s in range(0, N, chunk):
             e = min(s + chunk, N)
             h = hidden[s:e]
@@ -619,13 +632,15 @@ class _LinearGRPO(torch.autograd.Function):
 
 def linear_grpo_loss_triton(hidden, weight, ids, old_logp, advantages, token_weight, *, temperature=1.0,
                             epsilon=EPSILON, epsilon_high=EPSILON_HIGH, delta=DELTA, beta=BETA,
-                            ref_logp=None, tis=None,
+                            ref_logp=None, tis=None, tis_from=None,
                             chunk=None, with_entropy=False, grad_weight_fp32=True, lse_epilogue=True):
     """The GRPO loss straight from hidden states, its gradients formed in forward, logits computed once.
 
     Flat per-token inputs [N] (scalars broadcast): old_logp (None: on-policy, old = logp detached,
     ratio 1), advantages, token_weight (the loss type's normalisation, 0 on masked tokens: see
     learner.grpo.token_weights), tis (truncated IS weight, 1 if off), ref_logp (needed when beta > 0).
+    tis_from (on-policy only, instead of tis): kernels.logprobs.TisFromLogp, the weight taken in the kernel from
+    each token's own log-prob and the sampler's, so no separate lm_head pass computes the log-probs first.
     Token-level importance ratios only. chunk None: auto_chunk.
     grad_weight_fp32=False accumulates a trainable lm_head's gradient in its own dtype across chunks
     (as Liger-Kernel does): no float32 [V, H] buffer, half the read-modify-write per chunk.
@@ -636,14 +651,18 @@ def linear_grpo_loss_triton(hidden, weight, ids, old_logp, advantages, token_wei
     _check("linear_grpo_loss", hidden, ids, temperature, chunk)
     if beta > 0 and ref_logp is None:
         raise ValueError("tandem.kernels.linear_grpo_loss: beta > 0 needs ref_logp")
+    if tis_from is not None and (old_logp is not None or tis is not None):
+        raise ValueError("tandem.kernels.linear_grpo_loss: tis_from is the on-policy weight (old_logp None, no tis)")
     N, dev = hidden.shape[0], hidden.device
+    tis_in = tis_from.sampler_logp if tis_from is not None else (1.0 if tis is None else tis)
     tok = (None if old_logp is None else _flat(old_logp, N, "old_logp", dev),) + tuple(
         _flat(x, N, name, dev) for x, name in [
-            (advantages, "advantages"), (token_weight, "token_weight"), (1.0 if tis is None else tis, "tis"),
+            (advantages, "advantages"), (token_weight, "token_weight"), (tis_in, "tis"),
             (0.0 if ref_logp is None else ref_logp, "ref_logp")])
     eps_hi = epsilon if epsilon_high is None else epsilon_high
+    log_cap, log_min = tis_from.log_bounds() if tis_from is not None else (0.0, 0.0)
     params = (float(temperature), 1.0 - epsilon, 1.0 + eps_hi, float("inf") if delta is None else float(delta),
-              float(beta))
+              float(beta), log_cap, log_min, tis_from is not None, tis_from is not None and tis_from.masks)
     gw_fp32 = bool(grad_weight_fp32) or weight.dtype == torch.float32
     trains = weight.requires_grad and torch.is_grad_enabled()
     gw_bytes = weight.numel() * (4 if gw_fp32 else weight.element_size()) if trains else 0

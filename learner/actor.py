@@ -18,6 +18,7 @@ from tandem.core.checks import check_learner_device, check_shared_dir
 from tandem.core.compat import before_deepspeed_init, set_distributed_env
 from tandem.core.engine_memory import head_dim
 from tandem.core.plan import BatchPlan
+from tandem.kernels.logprobs import TisFromLogp
 from tandem.learner import checkpoint_io
 from tandem.learner.batch import Samples, attention_pairs, collate, loss_mask, real_tokens, to_device
 from tandem.learner.forwards import plan_weights, token_budget_bins
@@ -220,8 +221,13 @@ class Learner:
         tis_of = (lambda lp: tis_weight(lp, mb["sampler_logp"], mb["mask"], g.vllm_importance_sampling_cap,
                                         g.vllm_importance_sampling_mode, g.vllm_importance_sampling_clip_min))
         tis = tis_of(old) if self.tis and old is not None else None
+        tis_from = None
+        if self.tis and old is None:  # on-policy: token modes take the weight inside the loss's lm_head pass
+            mode = g.vllm_importance_sampling_mode
+            tis_from = TisFromLogp(mb["sampler_logp"], g.vllm_importance_sampling_cap,
+                                   g.vllm_importance_sampling_clip_min, mode) if mode.startswith("token") else tis_of
         return completion_grpo_loss(self.model, mb, self.cfg.generation.temperature, mb["weights"], old_logp=old,
-                                    ref_logp=ref, tis=tis, tis_from=tis_of if self.tis and old is None else None,
+                                    ref_logp=ref, tis=tis, tis_from=tis_from,
                                     epsilon=g.epsilon, epsilon_high=g.epsilon_high, delta=g.delta, beta=g.beta)
 
     # ------------------------------------------------------------------------------- train

@@ -22,6 +22,7 @@ import torch
 from tandem.core import shaping
 from tandem.core.config import GRPOConfig
 from tandem.core.shaping import overlong_penalty
+from tandem.kernels.logprobs import truncated_is
 
 # ------------------------------------------------------------------------------ advantages (§4.1-4.2)
 
@@ -151,11 +152,8 @@ def tis_weight(old_logp, sampler_logp, mask, cap, mode="token_truncate", clip_mi
         d = _clean(old_logp, m).to(dt) - _clean(sampler_logp, m).to(dt)
         if mode.startswith("sequence"):
             d = (d * m).sum(-1, keepdim=True).expand_as(d)
-        log_cap = math.log(cap)
         log_min = -math.inf if clip_min is None else math.log(clip_min)
-        w = torch.exp(d.clamp(min=log_min if mode.endswith("truncate") else None, max=log_cap))
-        if mode.endswith("mask"):
-            w = torch.where((d > log_cap) | (d < log_min), torch.zeros_like(w), w)
+        w = truncated_is(d, math.log(cap), log_min, mode.endswith("mask"))
     return w.to(old_logp.dtype)
 
 

@@ -7,11 +7,12 @@ and the GRPO loss's gradient is formed chunk by chunk in the same pass (Triton o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
 from tandem.core.config import GRPOConfig
-from tandem.kernels.logprobs import grpo_token_terms, linear_grpo_loss, linear_logprobs, selective_logprobs
+from tandem.kernels.logprobs import TisFromLogp, grpo_token_terms, linear_grpo_loss, linear_logprobs, selective_logprobs
 from tandem.learner.model import decoder_and_head
 
 _G = GRPOConfig()  # the spec's defaults, from the job schema (tandem.core): one definition
@@ -84,8 +85,9 @@ def completion_grpo_loss(model, batch, temperature: float, token_weight, *, old_
                          chunk=None):
     """The micro-batch's GRPO loss, sum_t token_weight * loss_t (token_weight [B, T] from
     loss.token_weights), token-level ratios. [B, T] inputs; old_logp None = on-policy.
-    `tis_from(logp [B, T]) -> tis [B, T]`: on-policy with truncated importance sampling, the weight taken
-    from this pass's own log-probs (an lm_head pass over the decoder's hidden states) rather than from a
+    `tis_from`: on-policy with truncated importance sampling, the weight taken from this pass's own log-probs:
+    a kernels.TisFromLogp (sampler_logp [B, T]; token modes) inside the loss's own lm_head pass, or a function
+    `tis_from(logp [B, T]) -> tis [B, T]` (sequence modes) after an lm_head pass of its own, rather than from a
     separate forward of the whole model.
     -> (loss, logp [B, T] detached, entropy [B, T]; both 0 where masked)."""
     hidden, head = _hidden(model, batch)
@@ -98,13 +100,16 @@ def completion_grpo_loss(model, batch, temperature: float, token_weight, *, old_
     ids = batch["completion_ids"].reshape(-1)[idx]
     pick = lambda x: None if x is None else x.reshape(-1)[idx].float()
     full = lambda x: torch.zeros(B * T, dtype=torch.float32, device=x.device).index_copy(0, idx, x).view(B, T)
+    in_pass = isinstance(tis_from, TisFromLogp)
     with _full_weight(head) as w:
-        if tis_from is not None:
+        if tis_from is not None and not in_pass:
             with torch.no_grad():
                 tis = tis_from(full(_head_logprobs(head, w, h, ids, temperature, chunk or 1024)[0]))
         adv = batch["advantages"].float().unsqueeze(-1).expand(B, T).reshape(-1)[idx]
         kw = dict(epsilon=epsilon, epsilon_high=epsilon_high, delta=delta, beta=beta, ref_logp=pick(ref_logp),
                   tis=pick(tis))
+        if in_pass:
+            kw["tis_from"] = dataclasses.replace(tis_from, sampler_logp=pick(tis_from.sampler_logp))
         if w is not None:
             loss, logp, ent = linear_grpo_loss(h, w, ids, pick(old_logp), adv, pick(token_weight),
                                                temperature=temperature, chunk=chunk, with_entropy=True, **kw)

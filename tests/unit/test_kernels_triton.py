@@ -358,3 +358,59 @@ def test_in_kernel_on_policy_equals_reference_path(seed):
     ref_loss.backward()
     assert abs(loss.item() - ref_loss.item()) <= 1e-5 * max(1, abs(ref_loss.item())), f"seed {seed}"
     assert rel(gh, h64.grad) <= 1e-5 and rel(gw, w64.grad) <= 1e-5, f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode,clip_min", [("token_truncate", None), ("token_truncate", 0.8), ("token_mask", 0.8)])
+def test_in_kernel_tis_from_logp_equals_the_weight_taken_first(seed, dtype, mode, clip_min):
+    """On-policy TIS with the weight taken inside the loss's pass (tis_from, no lm_head pass before it) gives the
+    loss, log-probs and gradients of the same kernel handed learner.grpo.tis_weight of those log-probs; the
+    PyTorch reference path the same. Masked tokens carry NaN sampler log-probs; tokens fall on both sides of the
+    cap (1.3) and of clip_min."""
+    from tandem.kernels.logprobs import TisFromLogp, linear_grpo_loss_reference
+
+    B, T, H, V = 3, 11, 16, 296
+    h, w, ids = _linear_case(B * T, H, V, dtype)
+    mask = torch.rand(B, T, device=DEV) > 0.25
+    adv = torch.randn(B, device=DEV).repeat_interleave(T)
+    wts = token_weights(mask, "dapo").reshape(-1)
+    with torch.no_grad():
+        lp, _ = tk.linear_logprobs_triton(h.detach(), w.detach(), ids, 0.9)
+    sampler = (lp.view(B, T) + 0.4 * torch.randn(B, T, device=DEV)).masked_fill(~mask, float("nan"))
+    tis = tis_weight(lp.view(B, T), sampler, mask, 1.3, mode, clip_min).reshape(-1)
+    d = (lp.view(B, T) - sampler)[mask]
+    assert (d > 0.3).any() and (d < -0.3).any(), f"seed {seed}: no token beyond the bounds"
+    kw = dict(temperature=0.9, chunk=8, with_entropy=True)
+    runs = []
+    for extra in (dict(tis=tis), dict(tis_from=TisFromLogp(sampler.reshape(-1), 1.3, clip_min, mode))):
+        hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        loss, logp, _ = tk.linear_grpo_loss_triton(hh, ww, ids, None, adv, wts, **kw, **extra)
+        loss.backward()
+        runs.append((loss, logp, hh.grad, ww.grad))
+    (l1, p1, gh1, gw1), (l2, p2, gh2, gw2) = runs
+    assert torch.isfinite(l2) and torch.isfinite(gh2).all() and torch.isfinite(gw2).all()
+    assert abs(l1.item() - l2.item()) <= 1e-5 * max(1.0, abs(l1.item())), f"seed {seed}"
+    assert torch.equal(p1, p2) and rel(gh2, gh1) <= 1e-5 and rel(gw2, gw1) <= 1e-5, f"seed {seed}"
+    # the reference path: float64, its own log-probs; tokens at a bound's edge may fall either way, so no mask mode
+    if mode == "token_truncate":
+        h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        ref, _, _ = linear_grpo_loss_reference(h64, w64, ids, None, adv.double(), wts.double(), temperature=0.9,
+                                               chunk=8, tis_from=TisFromLogp(sampler.reshape(-1).double(), 1.3,
+                                                                             clip_min, mode))
+        ref.backward()
+        assert abs(ref.item() - l2.item()) <= 1e-4 * max(1.0, abs(ref.item())) + (0 if dtype == torch.float32
+                                                                                     else 2e-3), f"seed {seed}"
+        assert rel(gh2, h64.grad) <= GRAD_TOL[dtype], f"seed {seed}"
+
+
+def test_tis_from_logp_is_refused_beside_old_logp_or_a_weight_and_outside_token_modes():
+    from tandem.kernels.logprobs import TisFromLogp
+
+    h, w, ids = _linear_case(4, 16, 32, torch.float32)
+    t = TisFromLogp(torch.zeros(4, device=DEV), 2.0)
+    with pytest.raises(ValueError, match="on-policy"):
+        tk.linear_grpo_loss_triton(h, w, ids, torch.zeros(4, device=DEV), 1.0, 1.0, tis_from=t)
+    with pytest.raises(ValueError, match="on-policy"):
+        grpo_token_terms(None, 1.0, 1.0, tis=torch.ones(4), tis_from=t)
+    with pytest.raises(ValueError, match="sequence_mask.*allowed: token_truncate, token_mask"):
+        TisFromLogp(torch.zeros(4), 2.0, mode="sequence_mask")
