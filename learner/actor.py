@@ -9,6 +9,7 @@ collective.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 
@@ -186,12 +187,13 @@ class Learner:
 
     def _logp(self, mb, with_entropy=False, reference=False):
         T = self.cfg.generation.temperature
+        # the loss and its metrics read the masked tokens only: no lm_head pass over the rest
         if reference and self.ref is not None:
-            return completion_logprobs(self.ref, mb, T)[0]
+            return completion_logprobs(self.ref, mb, T, masked=True)[0]
         if reference:
             with reference_context(self.model):
-                return completion_logprobs(self.model, mb, T)[0]
-        return completion_logprobs(self.model, mb, T, with_entropy=with_entropy)
+                return completion_logprobs(self.model, mb, T, masked=True)[0]
+        return completion_logprobs(self.model, mb, T, with_entropy=with_entropy, masked=True)
 
     def _begin_micro_step(self):
         """What DeepSpeed's engine.forward does first, which we bypass (we call the decoder, not the
@@ -299,17 +301,19 @@ class Learner:
                         weights=[weight[i] for i in rows]) for rows in micro]
 
     def _optimizer_step(self, forwards: list, old, ref) -> dict:
-        """The forwards of one optimizer step, then the step. -> its metrics."""
+        """The forwards of one optimizer step, then the step. -> its metrics. The host reads nothing back from the
+        GPU between forwards (no loss value, no metric), so it keeps queuing work ahead of it: the losses are checked
+        once, before the step that would apply them, and the metrics are taken after the step."""
         cfg, g = self.cfg, self.cfg.grpo
         GA, W = self.plan.gradient_accumulation_steps, self.world
-        acc: dict[str, float] = {}
-        loss_sum = 0.0
+        losses, inputs = [], []
         for k, mb in enumerate(forwards):
             ref_k = ref[k] if ref is not None else None
             old_k = old[k] if old is not None else None
+            last = k == len(forwards) - 1
             self._begin_micro_step()
             # the learner owns the boundary: a token budget runs as many forwards as it needs, not GA
-            self.engine.set_gradient_accumulation_boundary(k == len(forwards) - 1)
+            self.engine.set_gradient_accumulation_boundary(last)
             # fused: loss and its gradient in one pass (the off-policy mask needs the policy's log-probs
             # before the loss, so it takes the two-pass path)
             if g.importance_sampling_level == "token" and g.off_policy_mask_threshold is None:
@@ -320,22 +324,25 @@ class Learner:
                 x = self._inputs(mb, logp, old_k if old_k is not None else logp.detach(), ref_k, ent)
                 loss = grpo_loss(x, g, tis=self.tis, max_completion_length=cfg.generation.max_completion_length,
                                  token_weight=mb["weights"])
+                x = dataclasses.replace(x, logp=logp.detach(), entropy=None if ent is None else ent.detach())
             # Contribution of this forward to the step's objective (docs/grpo.md §4.8), then undo
             # DeepSpeed's 1/GA and 1/world averaging so the gradient is exactly that sum.
             if g.loss_type != "dapo":
                 loss = loss / (GA * W)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"Learner.train: non-finite loss {float(loss.detach())} at forward {k} of "
-                                         f"{len(forwards)}; weights not updated")
+            losses.append(loss.detach())
+            inputs.append(x)
+            if last:  # before the backward whose step applies the gradient
+                _check_finite(torch.stack(losses))
             self.engine.backward(loss * (GA * W))
             if self.engine.is_gradient_accumulation_boundary():
                 grad_norm = self._grad_norm_before_step()
                 lr = self.scheduler.get_last_lr()[0]  # the rate this step applies (TRL logs that one)
             self.engine.step()
-            loss_sum += float(loss.detach())
+        acc: dict[str, float] = {}
+        for x in inputs:
             accumulate(acc, grpo_metrics(x, g, tis=self.tis))
         self.steps += 1
-        return reduce_metrics(acc, loss_sum, self.world, self.device) | {
+        return reduce_metrics(acc, float(torch.stack(losses).double().sum()), self.world, self.device) | {
             "step": self.steps, "lr": lr,
             "grad_norm": grad_norm if grad_norm is not None else float(self.engine.get_global_grad_norm() or 0.0)}
 
@@ -388,6 +395,15 @@ class Learner:
             import torch.distributed as dist
 
             dist.barrier()
+
+
+def _check_finite(losses: torch.Tensor) -> None:
+    """An optimizer step's per-forward losses, read back once: FloatingPointError naming the first non-finite one."""
+    vals = losses.float().tolist()
+    bad = next((k for k, v in enumerate(vals) if not math.isfinite(v)), None)
+    if bad is not None:
+        raise FloatingPointError(f"Learner.train: non-finite loss {vals[bad]} at forward {bad} of {len(vals)}; "
+                                 "weights not updated")
 
 
 def attention_flops_per_pair(mc: dict | None) -> int:

@@ -18,18 +18,39 @@ from tandem.learner.model import decoder_and_head
 _G = GRPOConfig()  # the spec's defaults, from the job schema (tandem.core): one definition
 
 
-def _hidden(model, batch):
-    """-> (hidden [B, T, H] predicting each completion token, lm_head module)."""
+def _decoded(model, batch):
+    """-> (the decoder's last hidden states: [1, L, H] for a packed row, [B, P + T, H] padded; lm_head module)."""
     decoder, head = decoder_and_head(model)
     if "gather" in batch:  # padding-free: one packed row, attention within each sequence (learner/attention.py)
         cu, n = batch["cu_seq_lens"], batch["max_length"]
         out = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
                       cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=n, max_length_k=n)
-        return out.last_hidden_state[0][batch["gather"]], head
+    else:
+        out = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                      position_ids=batch["position_ids"], use_cache=False)
+    return out.last_hidden_state, head
+
+
+def _hidden(model, batch):
+    """-> (hidden [B, T, H] predicting each completion token, lm_head module)."""
+    last, head = _decoded(model, batch)
+    if "gather" in batch:
+        return last[0][batch["gather"]], head
     T = batch["completion_ids"].shape[1]
-    out = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                  position_ids=batch["position_ids"], use_cache=False)
-    return out.last_hidden_state[:, -T - 1:-1], head  # position t predicts token t + 1
+    return last[:, -T - 1:-1], head  # position t predicts token t + 1
+
+
+def _hidden_at(model, batch, idx):
+    """-> (hidden [n, H] predicting the completion tokens at flat [B * T] positions `idx`, lm_head module), taken
+    straight from the decoder's output: no [B, T, H] copy first, whose backward, on a packed row, would add each
+    row's padding (thousands of entries pointing at one position) into that position one after another."""
+    last, head = _decoded(model, batch)
+    if "gather" in batch:
+        return last[0].index_select(0, batch["gather"].reshape(-1).index_select(0, idx)), head
+    T = batch["completion_ids"].shape[1]
+    _, S, H = last.shape
+    row = torch.div(idx, T, rounding_mode="floor")
+    return last.reshape(-1, H).index_select(0, row * S + (S - T - 1) + (idx - row * T)), head  # t predicts t + 1
 
 
 def _plain_weight(head):
@@ -69,15 +90,31 @@ def _head_logprobs(head, w, hidden, ids, temperature, chunk, with_entropy=False)
     return _module_logprobs(head, hidden, ids, temperature, chunk, with_entropy)
 
 
-def completion_logprobs(model, batch, temperature: float, *, chunk: int = 1024, with_entropy: bool = False):
+def completion_logprobs(model, batch, temperature: float, *, chunk: int = 1024, with_entropy: bool = False,
+                        masked: bool = False):
     """batch: input_ids/attention_mask/position_ids [B, P+T], completion_ids [B, T].
+    `masked`: only the tokens of batch["mask"] through the lm_head, 0 elsewhere (what the learner's old and
+    reference passes need: a packed micro-batch's [B, T] is mostly padding past its short completions).
     -> (logp [B, T] float32, entropy [B, T] or None)."""
+    if masked:
+        B, T = batch["completion_ids"].shape
+        idx = batch["mask"].reshape(-1).nonzero().squeeze(-1)
+        h, head = _hidden_at(model, batch, idx)
+        with _full_weight(head) as w:
+            logp, ent = _head_logprobs(head, w, h, batch["completion_ids"].reshape(-1)[idx], temperature, chunk,
+                                       with_entropy)
+        return _scatter(logp, idx, B, T), (_scatter(ent, idx, B, T) if ent is not None else None)
     hidden, head = _hidden(model, batch)
     B, T, H = hidden.shape
     h, ids = hidden.reshape(-1, H), batch["completion_ids"].reshape(-1)
     with _full_weight(head) as w:
         logp, ent = _head_logprobs(head, w, h, ids, temperature, chunk, with_entropy)
     return logp.view(B, T), (ent.view(B, T) if ent is not None else None)
+
+
+def _scatter(x, idx, B: int, T: int):
+    """Per-token values at flat positions `idx` -> [B, T], 0 elsewhere (differentiable in x)."""
+    return torch.zeros(B * T, dtype=x.dtype, device=x.device).index_copy(0, idx, x).view(B, T)
 
 
 def completion_grpo_loss(model, batch, temperature: float, token_weight, *, old_logp=None, ref_logp=None, tis=None,
@@ -90,16 +127,16 @@ def completion_grpo_loss(model, batch, temperature: float, token_weight, *, old_
     `tis_from(logp [B, T]) -> tis [B, T]` (sequence modes) after an lm_head pass of its own, rather than from a
     separate forward of the whole model.
     -> (loss, logp [B, T] detached, entropy [B, T]; both 0 where masked)."""
-    hidden, head = _hidden(model, batch)
-    B, T, H = hidden.shape
+    B, T = batch["completion_ids"].shape
     idx = batch["mask"].reshape(-1).nonzero().squeeze(-1)  # real completion tokens only
     if idx.numel() == 0:  # nothing to learn from, but DeepSpeed still needs a graph to run backward on
-        zeros = torch.zeros(B, T, device=hidden.device)
-        return hidden.sum() * 0.0, zeros, zeros
-    h = hidden.reshape(-1, H).index_select(0, idx)
+        last, _ = _decoded(model, batch)
+        zeros = torch.zeros(B, T, device=last.device)
+        return last.sum() * 0.0, zeros, zeros
+    h, head = _hidden_at(model, batch, idx)
     ids = batch["completion_ids"].reshape(-1)[idx]
     pick = lambda x: None if x is None else x.reshape(-1)[idx].float()
-    full = lambda x: torch.zeros(B * T, dtype=torch.float32, device=x.device).index_copy(0, idx, x).view(B, T)
+    full = lambda x: _scatter(x.float(), idx, B, T)
     in_pass = isinstance(tis_from, TisFromLogp)
     with _full_weight(head) as w:
         if tis_from is not None and not in_pass:

@@ -122,3 +122,39 @@ def test_the_probe_tells_a_model_that_keeps_packed_sequences_apart_from_one_that
     ok = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation=register())
     bad = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="whole_row")
     assert keeps_sequences_apart(ok) and not keeps_sequences_apart(bad)
+
+
+def test_masked_log_probs_and_the_fused_loss_read_the_decoder_at_the_masked_tokens_only(tiny_model):
+    """completion_logprobs(masked=True) and completion_grpo_loss take the hidden states of the masked tokens straight
+    from the decoder's output (learner/logprobs.py: _hidden_at): the log-probs at the mask are the full [B, T] pass's,
+    0 elsewhere, and the loss and gradients of a packed batch are the padded one's."""
+    from transformers import AutoModelForCausalLM
+
+    from tandem.learner.grpo import token_weights
+    from tandem.learner.logprobs import completion_grpo_loss, completion_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    s, (padded, packed) = batches()
+    m = padded["mask"]
+    assert m.any() and not m.all()  # short completions and a masked truncated one: padding to skip
+    with torch.no_grad():
+        want, want_ent = completion_logprobs(model, padded, 0.7, with_entropy=True)
+        for mb in (padded, packed):
+            got, ent = completion_logprobs(model, mb, 0.7, with_entropy=True, masked=True)
+            torch.testing.assert_close(got[m], want[m], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ent[m], want_ent[m], rtol=1e-5, atol=1e-5)
+            assert torch.all(got[~m] == 0) and torch.all(ent[~m] == 0)
+    w = token_weights(m, "dapo")
+    old = want + 0.1 * torch.randn(want.shape, generator=torch.Generator().manual_seed(4))
+    runs = []
+    for mb in (padded, packed):
+        model.zero_grad()
+        loss, lp, _ = completion_grpo_loss(model, mb, 0.7, w, old_logp=old, chunk=5)
+        loss.backward()
+        runs.append((loss.detach(), lp, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (l0, lp0, g0), (l1, lp1, g1) = runs
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lp1[m], want[m], rtol=1e-5, atol=1e-5)
+    assert g0.keys() == g1.keys() and len(g0) > 2
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
