@@ -74,7 +74,7 @@ class ModelConfig(_Section):
         "the same loss and gradients without computing padding (TRL SFT's name; verl's use_remove_padding); a model "
         "whose forward cannot take it is padded, with a warning")
     use_liger_kernel: bool | Literal["auto"] = Field(
-        "auto", description="the learner's RMSNorm and SwiGLU through Liger-Kernel's Triton kernels (transformers' "
+        "auto", description="the learner's RMSNorm, SwiGLU and RoPE through Liger-Kernel's Triton kernels (transformers' "
         "use_liger_kernel; Tandem's own fused loss either way): auto = where liger-kernel is installed and the learner "
         "has a CUDA device, for Llama-family layers (kernels/fused_layers.py); true: required")
     max_tokens_per_forward: int | Literal["auto"] | None = Field(

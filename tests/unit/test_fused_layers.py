@@ -50,9 +50,9 @@ def test_asking_for_liger_where_it_cannot_run_names_the_field(tmp_path, tiny_mod
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Liger's kernels are Triton on CUDA (the GPU machine runs this)")
 def test_liger_layers_follow_transformers_on_the_gpu(tiny_model):
-    from tandem.kernels.fused_layers import fuse_layers, liger_missing
-
     import liger_kernel.transformers.rope as liger_rope
+
+    from tandem.kernels.fused_layers import fuse_layers, liger_missing
 
     assert liger_missing() is None
     model, plain = (_qwen2(tiny_model, torch.bfloat16).cuda() for _ in range(2))
