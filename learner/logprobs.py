@@ -99,6 +99,10 @@ def completion_logprobs(model, batch, temperature: float, *, chunk: int = 1024, 
     if masked:
         B, T = batch["completion_ids"].shape
         idx = batch["mask"].reshape(-1).nonzero().squeeze(-1)
+        if idx.numel() == 0:  # zeros, still on the graph: a training pass runs backward through them
+            last, _ = _decoded(model, batch)
+            zeros = torch.zeros(B, T, device=last.device)
+            return zeros + (last.sum() * 0.0).float(), (zeros if with_entropy else None)
         h, head = _hidden_at(model, batch, idx)
         with _full_weight(head) as w:
             logp, ent = _head_logprobs(head, w, h, batch["completion_ids"].reshape(-1)[idx], temperature, chunk,

@@ -158,3 +158,21 @@ def test_masked_log_probs_and_the_fused_loss_read_the_decoder_at_the_masked_toke
     assert g0.keys() == g1.keys() and len(g0) > 2
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_an_all_masked_batch_gives_zero_log_probs_that_a_training_pass_can_still_run_backward_on(tiny_model):
+    """The two-pass path (sequence-level ratios, the off-policy mask) trains on completion_logprobs(masked=True): a
+    micro-batch whose every token is masked (all truncated under mask_truncated_completions) must still give DeepSpeed
+    a graph to run backward on."""
+    from transformers import AutoModelForCausalLM
+
+    from tandem.learner.logprobs import completion_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    for mb in batches()[1]:
+        mb["mask"][:] = False
+        logp, ent = completion_logprobs(model, mb, 1.0, with_entropy=True, masked=True)
+        assert logp.shape == mb["mask"].shape and torch.all(logp == 0) and torch.all(ent == 0)
+        model.zero_grad()
+        logp.sum().backward()
+        assert all(p.grad is None or torch.all(p.grad == 0) for p in model.parameters())
