@@ -23,6 +23,9 @@ long_every-th group and a long_frac share at the cap; no warm-up needed here), t
 from __future__ import annotations
 
 import argparse
+import gzip
+import os
+import shutil
 import statistics
 import sys
 import time
@@ -167,6 +170,16 @@ def profiled(lr, groups, sync):
         wall = time.perf_counter() - t
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     ev = prof.key_averages()
+    out = os.environ.get("OUT")
+    if out:  # the whole trace, for the GPU's idle gaps between kernels (bench/trace_gaps.py reads it)
+        trace = Path(out) / "learner_trace.json"
+        prof.export_chrome_trace(str(trace))
+        import trace_gaps
+
+        print(trace_gaps.gaps(trace_gaps.load(str(trace))), flush=True)
+        with open(trace, "rb") as f, gzip.open(f"{trace}.gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        trace.unlink()
     if torch.cuda.is_available():
         from torch.autograd import DeviceType
 
