@@ -14,6 +14,7 @@ PSS of the process tree (psutil), the driver, Ray's processes and its workers in
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -397,8 +398,6 @@ def run_vllm(paths, wl, args, lora: bool = True) -> dict:
     """The engine alone with the same settings Tandem's worker uses, generating the same batches; lora=False: the
     base weights without vLLM's LoRA layers, as an engine serving merged weights runs (TRL's colocated vLLM; the
     `vllm_merged` candidate: what the LoRA kernels cost a decode step)."""
-    import numpy as np
-
     from tandem.core.compat import before_vllm_import
     before_vllm_import()
     from transformers import AutoTokenizer
@@ -434,9 +433,18 @@ def run_vllm(paths, wl, args, lora: bool = True) -> dict:
     wall = sum(times)
     return {"s_per_step": wall / len(times), "gen_s_per_step": wall / len(times), "train_s_per_step": None,
             "completions_per_s": P * wl["num_generations"] * len(times) / wall, "gen_tokens_per_s": sum(toks) / wall,
-            "publish_latency_s": None, "completion_length_p50": float(np.percentile(toks, 50)),
-            "completion_length_p95": float(np.percentile(toks, 95)),
-            "completion_at_cap_frac": float(np.mean(np.asarray(toks) >= wl["max_tokens"])), **g}
+            "publish_latency_s": None, "learner_mfu": None, **length_percentiles(toks, wl["max_tokens"]), **g}
+
+
+def length_percentiles(lengths: list[int], cap: int) -> dict:
+    """The measured completions' lengths: p50, p95 and the share at the cap (None each without any)."""
+    import numpy as np
+
+    if not lengths:
+        return {"completion_length_p50": None, "completion_length_p95": None, "completion_at_cap_frac": None}
+    return {"completion_length_p50": float(np.percentile(lengths, 50)),
+            "completion_length_p95": float(np.percentile(lengths, 95)),
+            "completion_at_cap_frac": float(np.mean(np.asarray(lengths) >= cap))}
 
 
 def run_trl(paths, wl, args, reward=None, tools=None, **config) -> dict:
@@ -474,7 +482,16 @@ def run_trl(paths, wl, args, reward=None, tools=None, **config) -> dict:
     lora = wl["lora"]
     peft = LoraConfig(r=lora["r"], lora_alpha=lora["lora_alpha"], target_modules=lora.get("target_modules") or "all-linear",
                       task_type="CAUSAL_LM")
-    tr = GRPOTrainer(model=paths["model"], reward_funcs=reward or ids_reward, args=GRPOConfig(**conf),
+    lengths: list[tuple[int, list[int]]] = []  # (optimizer steps done, each completion's length) per reward call
+    scored = reward or ids_reward
+
+    @functools.wraps(scored)  # TRL logs a reward by its function's name
+    def measured(*a, completion_ids=None, **k):
+        if completion_ids is not None:
+            lengths.append((len(stamps), [len(c) for c in completion_ids]))
+        return scored(*a, completion_ids=completion_ids, **k)
+
+    tr = GRPOTrainer(model=paths["model"], reward_funcs=measured, args=GRPOConfig(**conf),
                      train_dataset=Dataset.from_list(rows), peft_config=peft,
                      processing_class=AutoTokenizer.from_pretrained(paths["model"]), **({"tools": tools} if tools else {}))
     stop = [None]
@@ -499,6 +516,7 @@ def run_trl(paths, wl, args, reward=None, tools=None, **config) -> dict:
            "gen_tokens_per_s": (comp_len * C * steps / wall) if comp_len else None, "publish_latency_s": None,
            "launch_to_first_step_s": first[0] if first else None,
            "reward_first": logs[0].get("reward") if logs else None, "reward_last": logs[-1].get("reward") if logs else None,
+           "learner_mfu": None, **length_percentiles([n for done, ns in lengths if done >= wl["warmup"] for n in ns], wl["max_tokens"]),
            **g}
     calls = [h["tools/call_frequency"] for h in logs if "tools/call_frequency" in h]
     if calls:  # TRL logs calls per episode; each call is followed by a turn

@@ -12,8 +12,9 @@ Then a torch.profiler trace of one `train` call: where the learner's GPU time go
   python3 bench/learner.py --workload gpu|cpu [--reps 4] [--dir WORK] [--no-profile]
 
 Issue 30's scale workloads (`--workload 1.5b_longtail|7b|cpu_longtail`) compare learner layouts instead: each
-`--layouts` entry PER_DEVICE:GA:CHECKPOINTING[:TOKENS[:LIGER]] (checkpointing and liger on|off|auto; tokens: plan
-= one forward per micro-batch, auto, or model.max_tokens_per_forward's number) is a learner of its own on the same generation batch, whose
+`--layouts` entry PER_DEVICE:GA:CHECKPOINTING[:TOKENS[:LIGER[:READBACKS]]] (checkpointing and liger on|off|auto;
+tokens: plan = one forward per micro-batch, auto, or model.max_tokens_per_forward's number; readbacks one|per-tensor,
+`readbacks` below) is a learner of its own on the same generation batch, whose
 completion lengths are long-tailed as the workload's warm-up teaches (geometric with median cap / median_div, every
 long_every-th group and a long_frac share at the cap; no warm-up needed here), the profile taken on the last layout.
 
@@ -89,7 +90,7 @@ def layouts(a, wl):
     rows, lr = [], None
     for spec in a.layouts.split(","):
         parts = spec.split(":")
-        pd, ga, ck, tokens, liger = parts + ["", "", "", "plan", "off"][len(parts):]
+        pd, ga, ck, tokens, liger, reads = parts + ["", "", "", "plan", "off", "one"][len(parts):]
         w = {**wl, "per_device": int(pd), "ga": int(ga),
              "tandem_checkpointing": {"on": True, "off": False, "auto": "auto"}[ck],
              "max_tokens_per_forward": {"plan": None, "auto": "auto"}[tokens] if tokens in ("plan", "auto")
@@ -99,6 +100,7 @@ def layouts(a, wl):
                                   dir=a.dir)
         lr = Learner(e2e.tandem_config(paths, w, 0, args), total_steps=1000)
         lr.setup()
+        readbacks(lr, reads)
         groups = long_tail_batch(lr.plan.unique_prompts, wl, wl["model"]["vocab"])
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
@@ -156,6 +158,25 @@ def kernel_kinds(kernels: list[tuple[str, float]]) -> dict[str, float]:
         kind = next((k for k, pats in KERNEL_KINDS if any(p in low for p in pats)), "other")
         out[kind] = out.get(kind, 0.0) + t
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def readbacks(lr, how: str) -> None:
+    """A layout's GPU readbacks: "one" (today's: DeepSpeed's inf/NaN check in one readback, learner/overflow.py; the
+    masked tokens' positions from the host's collate) or "per-tensor" (before session 24: DeepSpeed's own check,
+    a readback per gradient; the positions found on the GPU, a readback per forward)."""
+    import tandem.learner.logprobs as logprobs
+
+    own = getattr(logprobs, "_masked_positions_of_collate", logprobs.masked_positions)
+    logprobs._masked_positions_of_collate = own
+    if how == "one":
+        logprobs.masked_positions = own
+        return
+    if how != "per-tensor":
+        raise SystemExit(f"--layouts: readbacks {how!r}; allowed: one, per-tensor")
+    checker = getattr(lr.engine.optimizer, "overflow_checker", None)
+    if checker is not None and "has_overflow" in vars(checker):
+        del checker.has_overflow  # the class's own method again
+    logprobs.masked_positions = lambda batch: batch["mask"].reshape(-1).nonzero().squeeze(-1)
 
 
 def profiled(lr, groups, sync):

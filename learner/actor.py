@@ -45,6 +45,7 @@ from tandem.learner.model import (
     trainable_state_dict,
     uses_liger,
 )
+from tandem.learner.overflow import check_in_one_readback
 from tandem.learner.safe_load import refuse_pickles
 
 
@@ -147,6 +148,7 @@ class Learner:
                 opt, lr_lambda(o.lr_scheduler_type, warm, self._total_steps)),
         )
         refuse_pickles(self.engine)
+        check_in_one_readback(self.engine)  # DeepSpeed's per-gradient readbacks at the step (learner/overflow.py)
         self.device = self.engine.device  # batches are collated on the host and moved here
         if self.device.type == "cuda" and cfg.cluster.learner_sm_carveout:
             leave_sms_free(cfg.cluster.learner_sm_carveout, self.device)

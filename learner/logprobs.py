@@ -98,7 +98,7 @@ def completion_logprobs(model, batch, temperature: float, *, chunk: int = 1024, 
     -> (logp [B, T] float32, entropy [B, T] or None)."""
     if masked:
         B, T = batch["completion_ids"].shape
-        idx = batch["mask"].reshape(-1).nonzero().squeeze(-1)
+        idx = masked_positions(batch)
         if idx.numel() == 0:  # zeros, still on the graph: a training pass runs backward through them
             last, _ = _decoded(model, batch)
             zeros = torch.zeros(B, T, device=last.device)
@@ -114,6 +114,13 @@ def completion_logprobs(model, batch, temperature: float, *, chunk: int = 1024, 
     with _full_weight(head) as w:
         logp, ent = _head_logprobs(head, w, h, ids, temperature, chunk, with_entropy)
     return logp.view(B, T), (ent.view(B, T) if ent is not None else None)
+
+
+def masked_positions(batch) -> torch.Tensor:
+    """Flat [B * T] positions of batch["mask"]'s tokens: "masked_at" where learner/batch.py's to_device found them on
+    the host (so the forward reads nothing back from the GPU), else found here."""
+    at = batch.get("masked_at")
+    return at if at is not None else batch["mask"].reshape(-1).nonzero().squeeze(-1)
 
 
 def _scatter(x, idx, B: int, T: int):
@@ -132,7 +139,7 @@ def completion_grpo_loss(model, batch, temperature: float, token_weight, *, old_
     separate forward of the whole model.
     -> (loss, logp [B, T] detached, entropy [B, T]; both 0 where masked)."""
     B, T = batch["completion_ids"].shape
-    idx = batch["mask"].reshape(-1).nonzero().squeeze(-1)  # real completion tokens only
+    idx = masked_positions(batch)  # real completion tokens only
     if idx.numel() == 0:  # nothing to learn from, but DeepSpeed still needs a graph to run backward on
         last, _ = _decoded(model, batch)
         zeros = torch.zeros(B, T, device=last.device)

@@ -300,6 +300,24 @@ def test_bf16_learner_follows_the_float32_reference(tmp_path, tiny_model, zero):
     assert ref.norm() > 0 and ((got - ref).norm() / ref.norm()).item() <= 5e-2
 
 
+def test_a_bf16_zero0_step_checks_its_gradients_in_one_readback(tmp_path, tiny_model):
+    """bf16 at ZeRO-0 steps through DeepSpeed's FP16_Optimizer: its inf/NaN check is learner/overflow.py's, which
+    answers as DeepSpeed's own per-tensor check on the engine's gradients, finite and with a NaN planted."""
+    from deepspeed.runtime.utils import CheckOverflow
+
+    lr = started(Learner(job(tmp_path, tiny_model, per=4, ga=1, spg=2, model={"dtype": "bfloat16"}), port=free_port()))
+    checker = lr.engine.optimizer.overflow_checker
+    assert checker.has_overflow.__func__.__module__ == "tandem.learner.overflow"
+    params = [p for p in lr.engine.module.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    assert checker.has_overflow(params) is False
+    assert CheckOverflow.has_overflow(checker, params) is False
+    params[len(params) // 2].grad.view(-1)[1] = float("nan")
+    assert checker.has_overflow(params) is True
+    assert CheckOverflow.has_overflow(checker, params) is True
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])  # dr_grpo: grpo's cross-rank sequence count, a constant per token
 def test_two_ranks_match_one(ray_session, tmp_path, tiny_model, loss_type):
     """Two Ray learner actors on half the batch each == one rank on the whole batch (ZeRO 2); grpo's two ranks

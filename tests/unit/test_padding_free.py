@@ -176,3 +176,18 @@ def test_an_all_masked_batch_gives_zero_log_probs_that_a_training_pass_can_still
         model.zero_grad()
         logp.sum().backward()
         assert all(p.grad is None or torch.all(p.grad == 0) for p in model.parameters())
+
+
+def test_to_device_finds_the_masked_positions_on_the_host_and_the_forward_takes_them():
+    """learner/batch.py's to_device adds the flat positions of the mask's tokens, found on the host, and the loss and
+    log-prob paths take them from there (a batch without them: found from its mask)."""
+    from tandem.learner.batch import to_device
+    from tandem.learner.logprobs import masked_positions
+
+    for mb in batches()[1]:
+        moved = to_device(mb, "cpu")
+        want = torch.tensor([i for i, m in enumerate(mb["mask"].flatten().tolist()) if m], dtype=torch.long)
+        assert 0 < want.numel() < mb["mask"].numel()
+        assert torch.equal(moved["masked_at"], want)
+        assert masked_positions(moved) is moved["masked_at"]
+        assert "masked_at" not in mb and torch.equal(masked_positions(mb), want)
