@@ -162,12 +162,12 @@ def kernel_kinds(kernels: list[tuple[str, float]]) -> dict[str, float]:
 
 def readbacks(lr, how: str) -> None:
     """A layout's GPU readbacks: "one" (today's: DeepSpeed's inf/NaN check in one readback, learner/overflow.py; the
-    masked tokens' positions from the host's collate) or "per-tensor" (before session 24: DeepSpeed's own check,
-    a readback per gradient; the positions found on the GPU, a readback per forward)."""
+    masked tokens' positions found on the host by learner/batch.py's to_device) or "per-tensor" (before session 24:
+    DeepSpeed's own check, a readback per gradient; the positions found on the GPU, a readback per forward)."""
     import tandem.learner.logprobs as logprobs
 
-    own = getattr(logprobs, "_masked_positions_of_collate", logprobs.masked_positions)
-    logprobs._masked_positions_of_collate = own
+    own = getattr(logprobs, "_own_masked_positions", logprobs.masked_positions)  # this process's first patch kept
+    logprobs._own_masked_positions = own
     if how == "one":
         logprobs.masked_positions = own
         return

@@ -1,5 +1,7 @@
 """learner/overflow.py: the inf/NaN check in one readback gives DeepSpeed's per-tensor answer."""
 
+import zlib
+
 import pytest
 import torch
 from deepspeed.runtime.utils import has_inf_or_nan as deepspeed_per_tensor
@@ -14,7 +16,7 @@ def deepspeed_serial(tensors) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf"), 3e38])
 def test_one_readback_answers_as_deepspeed_per_tensor(dtype, bad):
-    g = torch.Generator().manual_seed(hash((str(dtype), str(bad))) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {bad}".encode()))  # each case its own draws, reproducible
     for trial in range(20):  # fresh tensors, a bad value (if any) at a random tensor and position
         shapes = [tuple(torch.randint(1, 9, (2,), generator=g).tolist()) for _ in range(int(torch.randint(1, 8, (), generator=g)))]
         tensors = [torch.randn(s, generator=g).to(dtype) * 10 ** float(torch.randint(-3, 4, (), generator=g)) for s in shapes]
