@@ -24,9 +24,7 @@ long_every-th group and a long_frac share at the cap; no warm-up needed here), t
 from __future__ import annotations
 
 import argparse
-import gzip
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -165,6 +163,7 @@ def readbacks(lr, how: str) -> None:
     masked tokens' positions found on the host by learner/batch.py's to_device) or "per-tensor" (before session 24:
     DeepSpeed's own check, a readback per gradient; the positions found on the GPU, a readback per forward)."""
     import tandem.learner.logprobs as logprobs
+    from tandem.learner.batch import mask_positions
 
     own = getattr(logprobs, "_own_masked_positions", logprobs.masked_positions)  # this process's first patch kept
     logprobs._own_masked_positions = own
@@ -176,7 +175,7 @@ def readbacks(lr, how: str) -> None:
     checker = getattr(lr.engine.optimizer, "overflow_checker", None)
     if checker is not None and "has_overflow" in vars(checker):
         del checker.has_overflow  # the class's own method again
-    logprobs.masked_positions = lambda batch: batch["mask"].reshape(-1).nonzero().squeeze(-1)
+    logprobs.masked_positions = lambda batch: mask_positions(batch["mask"])
 
 
 def profiled(lr, groups, sync):
@@ -193,14 +192,11 @@ def profiled(lr, groups, sync):
     ev = prof.key_averages()
     out = os.environ.get("OUT")
     if out:  # the whole trace, for the GPU's idle gaps between kernels (bench/trace_gaps.py reads it)
-        trace = Path(out) / "learner_trace.json"
-        prof.export_chrome_trace(str(trace))
+        trace = str(Path(out) / "learner_trace.json.gz")
+        prof.export_chrome_trace(trace)  # gzipped by its suffix
         import trace_gaps
 
-        print(trace_gaps.gaps(trace_gaps.load(str(trace))), flush=True)
-        with open(trace, "rb") as f, gzip.open(f"{trace}.gz", "wb") as g:
-            shutil.copyfileobj(f, g)
-        trace.unlink()
+        print(trace_gaps.gaps(trace_gaps.load(trace)), flush=True)
     if torch.cuda.is_available():
         from torch.autograd import DeviceType
 

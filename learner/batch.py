@@ -124,9 +124,14 @@ def attention_pairs(mb: dict) -> int:
     return int((s.long() ** 2).sum())
 
 
+def mask_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Flat [B * T] positions of a [B, T] mask's tokens."""
+    return mask.reshape(-1).nonzero().squeeze(-1)
+
+
 def to_device(mb: dict, device) -> dict:
     """A collated micro-batch (built on the host) on the model's device, with "masked_at": the flat positions of its
     mask's tokens, found here on the host (found on the GPU, each forward would wait for the GPU to drain first;
     learner/logprobs.py: masked_positions)."""
-    at = {"masked_at": mb["mask"].reshape(-1).nonzero().squeeze(-1)} if "mask" in mb else {}
+    at = {"masked_at": mask_positions(mb["mask"])} if "mask" in mb else {}
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in (mb | at).items()}

@@ -13,6 +13,7 @@ import torch
 
 from tandem.core.config import GRPOConfig
 from tandem.kernels.logprobs import TisFromLogp, grpo_token_terms, linear_grpo_loss, linear_logprobs, selective_logprobs
+from tandem.learner.batch import mask_positions
 from tandem.learner.model import decoder_and_head
 
 _G = GRPOConfig()  # the spec's defaults, from the job schema (tandem.core): one definition
@@ -120,7 +121,7 @@ def masked_positions(batch) -> torch.Tensor:
     """Flat [B * T] positions of batch["mask"]'s tokens: "masked_at" where learner/batch.py's to_device found them on
     the host (so the forward reads nothing back from the GPU), else found here."""
     at = batch.get("masked_at")
-    return at if at is not None else batch["mask"].reshape(-1).nonzero().squeeze(-1)
+    return at if at is not None else mask_positions(batch["mask"])
 
 
 def _scatter(x, idx, B: int, T: int):
