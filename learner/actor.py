@@ -45,6 +45,7 @@ from tandem.learner.model import (
     trainable_state_dict,
     uses_liger,
 )
+from tandem.learner.non_finite import describe, non_finite_input
 from tandem.learner.overflow import check_in_one_readback
 from tandem.learner.safe_load import refuse_pickles
 
@@ -300,7 +301,8 @@ class Learner:
             micro = token_budget_bins([[(i, n(i)) for k in key for i in plan.rows(k, r)] for r in range(self.world)],
                                       self.token_budget)[self.rank]
         return [collate(s, rows, adv, pad_id=self.pad_id, mask_truncated=mt, padding_free=self.packed,
-                        weights=[weight[i] for i in rows]) for rows in micro]
+                        weights=[weight[i] for i in rows]) | {"samples": rows, "origins": [s.origins[i] for i in rows]}
+                for rows in micro]
 
     def _optimizer_step(self, forwards: list, old, ref) -> dict:
         """The forwards of one optimizer step, then the step. -> its metrics. The host reads nothing back from the
@@ -334,7 +336,7 @@ class Learner:
             losses.append(loss.detach())
             inputs.append(x)
             if last:  # before the backward whose step applies the gradient
-                _check_finite(torch.stack(losses))
+                self._check_finite(torch.stack(losses), inputs, forwards)
             self.engine.backward(loss * (GA * W))
             if self.engine.is_gradient_accumulation_boundary():
                 grad_norm = self._grad_norm_before_step()
@@ -347,6 +349,20 @@ class Learner:
         return reduce_metrics(acc, float(torch.stack(losses).double().sum()), self.world, self.device) | {
             "step": self.steps, "lr": lr,
             "grad_norm": grad_norm if grad_norm is not None else float(self.engine.get_global_grad_norm() or 0.0)}
+
+    def _check_finite(self, losses: torch.Tensor, inputs: list[LossInputs], forwards: list[dict]) -> None:
+        """An optimizer step's per-forward losses, read back once: FloatingPointError naming the first non-finite one
+        and which of its inputs was not finite where (learner/non_finite.py)."""
+        vals = losses.float().tolist()
+        bad = next((k for k, v in enumerate(vals) if not math.isfinite(v)), None)
+        if bad is None:
+            return
+        x, mb, g = inputs[bad], forwards[bad], self.cfg.grpo
+        w = tis_weight(x.old_logp, x.sampler_logp, x.mask, g.vllm_importance_sampling_cap,
+                       g.vllm_importance_sampling_mode, g.vllm_importance_sampling_clip_min) if self.tis else None
+        why = describe(non_finite_input(x, w), mb["samples"], mb["origins"], self.plan.num_generations)
+        raise FloatingPointError(f"Learner.train: non-finite loss {vals[bad]} at forward {bad} of {len(vals)}: {why}; "
+                                 "weights not updated")
 
     def _throughput(self, tokens: int, pairs: int, seconds: float) -> dict:
         """learner/tokens_per_s: prompt + completion tokens through this rank's training passes per second;
@@ -397,15 +413,6 @@ class Learner:
             import torch.distributed as dist
 
             dist.barrier()
-
-
-def _check_finite(losses: torch.Tensor) -> None:
-    """An optimizer step's per-forward losses, read back once: FloatingPointError naming the first non-finite one."""
-    vals = losses.float().tolist()
-    bad = next((k for k, v in enumerate(vals) if not math.isfinite(v)), None)
-    if bad is not None:
-        raise FloatingPointError(f"Learner.train: non-finite loss {vals[bad]} at forward {bad} of {len(vals)}; "
-                                 "weights not updated")
 
 
 def attention_flops_per_pair(mc: dict | None) -> int:

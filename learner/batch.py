@@ -3,7 +3,7 @@ order; prompts left-padded, completions right-padded, so completion positions ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,11 +24,13 @@ class Samples:
     rewards: np.ndarray  # float32 [N, F]
     versions: np.ndarray  # int [N]
     loss_masks: list[np.ndarray]  # bool, per completion token: the model's own (False: a tool's, the environment's)
+    origins: list[tuple[int, int]] = field(default_factory=list)  # per sample: its group's (group_id, dataset index)
 
     @classmethod
     def from_groups(cls, groups: list[RolloutGroup]) -> Samples:
-        p, c, s, e, r, v, m = [], [], [], [], [], [], []
+        p, c, s, e, r, v, m, o = [], [], [], [], [], [], [], []
         for g in groups:
+            o += [(g.group_id, g.index)] * g.num_generations
             for k in range(g.num_generations):
                 p.append(g.prompt_ids)
                 c.append(g.completion(k))
@@ -37,7 +39,7 @@ class Samples:
                 v.append(g.version)
             e.append(g.eos)
             r.append(g.rewards)
-        return cls(p, c, s, np.concatenate(e), np.concatenate(r).astype(np.float32), np.asarray(v), m)
+        return cls(p, c, s, np.concatenate(e), np.concatenate(r).astype(np.float32), np.asarray(v), m, o)
 
     def __len__(self) -> int:
         return len(self.completions)

@@ -60,6 +60,10 @@ class TandemWorkerExtension:
         """`lora_id` left the engine (or failed to load)."""
         return self.model_runner.lora_manager._lora_model_cls.staged.pop(lora_id, None) is not None
 
+    def tandem_packed_modules(self) -> dict:
+        """The model's packed layers ({"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}), {} if it has none."""
+        return dict(getattr(self.model_runner.model, "packed_modules_mapping", None) or {})
+
     def tandem_load_weights(self, items):
         model = self.model_runner.model
         self.model_runner.reload_weights(weights_iterator=iter(items))
@@ -71,41 +75,69 @@ class TandemWorkerExtension:
         return True
 
 
+# vLLM's packed layers by the checkpoint modules they hold (a model class's `packed_modules_mapping`; Llama's and
+# Qwen2's): what a layer needs when the engine does not say.
+PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+def layer_members(module: str, packed: dict) -> list[str]:
+    """The checkpoint modules that vLLM loads into the same layer as `module` (q_proj -> q_, k_, v_proj)."""
+    parent, _, leaf = module.rpartition(".")
+    for members in packed.values():
+        if leaf in members:
+            return [f"{parent}.{m}" if parent else m for m in members]
+    return [module]
+
+
 class AdapterMerge:
     """W + (lora_alpha / r) B A for every module a PEFT adapter wraps (what peft's merge_adapter computes, and
     what TRL loads into vLLM), from the base weights in the model's safetensors, read once (pinned where the engine
     is on a GPU). Merged on the engine's device one module at a time, each handed to vLLM before the next is made:
     on a GPU a 7B's adapted weights are ~13 GB, which neither the host (float32 on the CPU, seconds a publish) nor a
-    second copy in GPU memory should carry."""
+    second copy in GPU memory should carry.
 
-    def __init__(self, model_path: str, lora, device: str = "cpu"):
+    Every vLLM layer the adapter touches gets all of its checkpoint tensors, the unadapted ones as read: vLLM's
+    in-place reload rebuilds a layer in fresh memory and processes it once it has seen the layer's whole size, so
+    a packed qkv_proj given only q and v (or no biases) keeps uninitialised memory in the rest, which reads as a
+    sampler that drifts from the learner or a NaN."""
+
+    def __init__(self, model_path: str, lora, device: str = "cpu", packed: dict | None = None):
         self.model_path, self.scale, self.base, self.device = Path(model_path), lora.lora_alpha / lora.r, None, device
+        self.packed = PACKED_MODULES if packed is None else packed
 
     def merged(self, tensors: dict):
-        """PEFT state dict -> (HF weight name, merged weight on self.device) of each wrapped module, one at a time."""
+        """PEFT state dict -> (HF name, tensor on self.device) of every tensor of each layer the adapter wraps,
+        the wrapped weights merged, one at a time, a layer's tensors together."""
         import torch
 
-        mods = sorted({k[:k.index(".lora_A.")] for k in tensors if ".lora_A." in k})
-        names = {m: m.removeprefix("base_model.model.") + ".weight" for m in mods}
+        wrapped = {k[:k.index(".lora_A.")] for k in tensors if ".lora_A." in k}  # PEFT's module names
+        adapted = {w.removeprefix("base_model.model."): w for w in wrapped}  # checkpoint name -> PEFT's
+        members = list(dict.fromkeys(m for mod in sorted(adapted) for m in layer_members(mod, self.packed)))
         if self.base is None:
-            self.base = self._read(set(names.values()))
+            self.base = self._read(set(members), {f"{m}.weight" for m in adapted})
         dev = torch.device(self.device)
-        for m, w in names.items():
-            a = tensors[f"{m}.lora_A.weight"].to(dev, torch.float32)
-            b = tensors[f"{m}.lora_B.weight"].to(dev, torch.float32)
-            base = self.base[w]
-            yield w, torch.addmm(base.to(dev, non_blocking=True).float(), b, a, alpha=self.scale).to(base.dtype)
+        for member in members:
+            for name in sorted(n for n in self.base if n.rpartition(".")[0] == member):
+                base = self.base[name]
+                if member in adapted and name == f"{member}.weight":
+                    a = tensors[f"{adapted[member]}.lora_A.weight"].to(dev, torch.float32)
+                    b = tensors[f"{adapted[member]}.lora_B.weight"].to(dev, torch.float32)
+                    yield name, torch.addmm(base.to(dev, non_blocking=True).float(), b, a,
+                                            alpha=self.scale).to(base.dtype)
+                else:
+                    yield name, base.to(dev, non_blocking=True)
 
-    def _read(self, names: set) -> dict:
+    def _read(self, modules: set, needed: set) -> dict:
+        """Every tensor of these checkpoint modules (weight, bias, ...); `needed` must be among them."""
         from safetensors import safe_open
 
         found = {}
         for f in sorted(self.model_path.glob("*.safetensors")):
             with safe_open(str(f), framework="pt") as st:
-                found.update({k: st.get_tensor(k) for k in names & set(st.keys())})
+                found.update({k: st.get_tensor(k) for k in st.keys() if k.rpartition(".")[0] in modules})
         if self.device != "cpu":  # the copy to the GPU each publish runs asynchronously from pinned memory
             found = {k: v.pin_memory() for k, v in found.items()}
-        if missing := sorted(names - set(found)):
+        if missing := sorted(needed - set(found)):
             raise KeyError(f"AdapterMerge: {self.model_path}/*.safetensors lacks the base weights {missing[:3]} the "
                            f"adapter wraps ({len(missing)} missing); set cluster.vllm_merge_adapter: false")
         return found
@@ -134,7 +166,6 @@ class VLLMEngine(Engine):
         # merged: the adapter folded into the weights, one version served at a time (the worker drains)
         self.serves_one_version = lora is not None and (on_cpu if merge_adapter is None else merge_adapter)
         self._device = "cpu" if on_cpu else f"cuda:{torch.cuda.current_device()}"
-        self._merge = AdapterMerge(model_path, lora, self._device) if self.serves_one_version else None
         eager = on_cpu if enforce_eager is None else enforce_eager
         kw = dict(model=model_path, dtype=dtype, enforce_eager=eager, seed=seed, max_model_len=max_model_len,
                   logprobs_mode="processed_logprobs", distributed_executor_backend="uni",
@@ -150,6 +181,10 @@ class VLLMEngine(Engine):
         if lora is not None and not self.serves_one_version:
             kw.update(enable_lora=True, max_lora_rank=max(8, lora.r), max_loras=max_loras)
         self.llm = LLM(**kw)
+        self._merge = None
+        if self.serves_one_version:
+            packed = self.llm.collective_rpc("tandem_packed_modules")[0]
+            self._merge = AdapterMerge(model_path, lora, self._device, packed or None)
         # Every version's LoRARequest names this directory: its adapter_config.json is what vLLM reads from
         # disk (the weights come staged from memory: 15 ms of writing and the reading saved per publish).
         self._adapter_root = Path(adapter_dir or adapter_scratch_dir())

@@ -46,6 +46,13 @@ from tandem.services.orchestrator.run_log import EXPORTED, RunLog, rollout_rates
 from tandem.services.orchestrator.trackers import Trackers
 
 
+def say(line: str) -> None:
+    """One line for the terminal of whoever runs the job (from the controller's actor, Ray forwards it)."""
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
+
+
 def one_at_a_time(method):
     """The Controller actor runs two threads (so `scale` and `status` are answered during a cycle):
     the methods that drive the job never run concurrently."""
@@ -215,7 +222,8 @@ class Controller:
             host = dict(actor_class=colocated_actor_class(cfg), prefix=PREFIX) if colocate else {}
             self.learner = LearnerGroup(cfg, total_steps=self.progress.total_steps, probe=probe, wait=False, **host)
             start = worker_starter(cfg, host=self.learner.actors[0] if colocate else None)
-            self.pool = RolloutPool(start, prompts_in_flight(cfg), self.counters)
+            self.pool = RolloutPool(start, prompts_in_flight(cfg), self.counters,
+                                    max_worker_restarts=cfg.cluster.max_worker_restarts, say=say)
             self.pool.start(cfg.cluster.num_rollout_workers)
             self.learner.ready()
         finally:
@@ -316,8 +324,7 @@ class Controller:
         if room > 0:
             self.buffer.handed_out(self.pool.feed(self.source.next_item, room))
         results, lost = self.pool.poll(timeout=timeout)
-        for it in lost:  # back to the front of the queue: nothing lost
-            self.source.requeue(it.index, it.epoch, front=True)
+        self._handle_lost(lost)
         for it, meta, ref in results:
             self._accept(it, meta, ref)
 
@@ -333,6 +340,14 @@ class Controller:
             self.counters["reward_failures"] += 1
             if not self.source.retry(it.index, it.epoch):
                 self.failures.reward_error(it.index, it.epoch, meta["failure"])
+
+    def _handle_lost(self, lost: list) -> None:
+        """Prompts a dead worker held: back to the front of the queue, or, the second time, failed (nothing lost)."""
+        for it in lost:
+            if not self.source.died_with_worker(it.index, it.epoch):
+                self.counters["worker_died_prompts"] += 1
+                self.failures.worker_died(it.index, it.epoch, f"the rollout worker died twice while running dataset "
+                                          f"row {it.index} (the second time with no other prompt)")
 
     def _requeue_stale(self) -> None:
         for m in self.buffer.drop_stale(self.version):
@@ -358,8 +373,7 @@ class Controller:
     def _await_published(self, sent: tuple) -> None:
         """Every worker serves the version sent; prompts a worker that died on it held are handed out again."""
         handed, exported = sent
-        for it in self.pool.wait_published(handed):
-            self.source.requeue(it.index, it.epoch, front=True)
+        self._handle_lost(self.pool.wait_published(handed))
         self.progress.publish_latency_s = time.time() - exported
 
     # ------------------------------------------------------------------------------ metrics

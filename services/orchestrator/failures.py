@@ -33,7 +33,14 @@ class FailureLog:
 
     def reward_error(self, index: int, epoch: int, message: str) -> None:
         """A prompt out of retries: recorded; more than a quarter of the rows (at least 4) stops the run."""
-        self._record(index, epoch, "reward_error", message)
+        self._permanent(index, epoch, "reward_error", message)
+
+    def worker_died(self, index: int, epoch: int, message: str) -> None:
+        """A prompt whose rollout worker died twice while running it (the second time alone): as reward_error."""
+        self._permanent(index, epoch, "worker_died", message)
+
+    def _permanent(self, index: int, epoch: int, reason: str, message: str) -> None:
+        self._record(index, epoch, reason, message)
         if sum(f.get("reason") != "no_reward" for f in self.failed) > max(4, self.rows // 4):
             raise RuntimeError(f"{len(self.failed)} prompts failed permanently; last: {message}")
 

@@ -10,18 +10,20 @@ import numpy as np
 from tandem.core.protocol import PromptItem
 
 MAX_REWARD_RETRIES = 1  # a prompt whose reward function failed is retried once, then recorded as failed
+MAX_WORKER_DEATHS = 1  # a prompt held by a worker that died is handed out again once; a second death fails it
 
 
 class PromptSource:
     """table: the PromptTable whose rows it hands out (`next_item`); without one, `next` gives (index, epoch)."""
 
-    TRANSIENT = ("retries", "_order")  # retry counts start again on resume; the order is recomputed
+    TRANSIENT = ("retries", "deaths", "_order")  # retry counts start again on resume; the order is recomputed
 
     def __init__(self, n: int, seed: int, shuffle: bool = True, table: PromptTable | None = None):
         self.n, self.seed, self.shuffle, self.table = n, seed, shuffle, table
         self.epoch, self.pos = 0, 0
         self.requeued: deque = deque()  # (dataset index, epoch), handed out before new ones
         self.retries: Counter = Counter()
+        self.deaths: Counter = Counter()  # (index, epoch) -> workers that died holding it
         self._order: tuple[int, np.ndarray] | None = None
 
     def next_item(self) -> PromptItem:
@@ -51,6 +53,15 @@ class PromptSource:
         self.retries[(index, epoch)] += 1
         if self.retries[(index, epoch)] <= MAX_REWARD_RETRIES:
             self.requeue(index, epoch)
+            return True
+        return False
+
+    def died_with_worker(self, index: int, epoch: int) -> bool:
+        """After the worker holding it died: handed out again first (True) or out of chances (False: record it as
+        failed, it is likely what kills the worker)."""
+        self.deaths[(index, epoch)] += 1
+        if self.deaths[(index, epoch)] <= MAX_WORKER_DEATHS:
+            self.requeue(index, epoch, front=True)
             return True
         return False
 

@@ -3,8 +3,11 @@ moment it is scored, publishes adapters, scales, and replaces dead workers.
 
 One prompt is one `rollout` call (num_returns=2: metadata, group): the controller owns the returned
 objects, so a group already back survives its worker's death, and a worker's death loses only the
-prompts it held, which come back as `lost` for the caller to re-queue. Knows nothing of the
-controller: it is handed prompts and a counter to count events in."""
+prompts it held, which come back as `lost` for the caller to re-queue or fail. A prompt lost with a worker is a
+suspect (it may be what killed it: a tool that exits its process): handed out again, it runs alone on a worker, so
+that a second death names it and spares the prompts beside it. A worker replaced `max_worker_restarts` times in a
+row without a group coming back stops the job. Knows nothing of the controller: it is handed prompts, a counter to
+count events in and a function to say a line with."""
 
 from __future__ import annotations
 
@@ -19,15 +22,21 @@ class Slot:
     ready: object  # ref of setup (+ adapter) until the worker serves; None once it does
     in_flight: dict = field(default_factory=dict)  # meta ref -> (item, group ref)
     handed: int = 0  # prompts handed out so far (dispatch ties go to the least used)
+    alone: bool = False  # runs a suspect: no other prompt until it comes back
+    deaths: int = 0  # workers of this slot that died since a group last came back from it
 
 
 class RolloutPool:
-    def __init__(self, start_worker, per_worker: int, counters: Counter):
+    def __init__(self, start_worker, per_worker: int, counters: Counter, *, max_worker_restarts: int = 8,
+                 say=print):
         """start_worker(slot) -> (actor, ref that resolves once it serves); per_worker: prompts in flight."""
         import ray
 
         self.ray = ray
         self._start, self.per_worker, self.counters = start_worker, per_worker, counters
+        self.max_worker_restarts, self.say = max_worker_restarts, say
+        self.suspects: set[tuple[int, int]] = set()  # (dataset index, epoch) of prompts lost with a worker
+        self.parked: list = []  # suspects taken from the queue, waiting for an idle worker
         self.slots: list[Slot] = []
         self.target = 0
         self.version, self.adapter_ref = 0, None
@@ -78,9 +87,9 @@ class RolloutPool:
                 try:
                     self.ray.get(s.ready)
                     s.ready = None
-                except self.ray.exceptions.RayError:
+                except self.ray.exceptions.RayError as e:
                     self.counters["worker_failures"] += 1
-                    self._replace(i)
+                    self._replace(i, e)
 
     def _stop(self, s: Slot) -> None:
         if s.ready is None:  # one still starting has no engine to close
@@ -90,16 +99,25 @@ class RolloutPool:
                 pass
         self.ray.kill(s.actor)
 
-    def _replace(self, i: int) -> list:
-        """A dead worker's slot gets a new worker (waited for); -> the items it held."""
+    def _replace(self, i: int, cause: BaseException) -> list:
+        """A dead worker's slot gets a new worker (waited for), said in one line; -> the items it held (suspects
+        from now on). RuntimeError past max_worker_restarts deaths in a row."""
         old = self.slots[i]
         try:
             self.ray.kill(old.actor)
         except Exception:  # noqa: BLE001 - already gone
             pass
         lost = [item for item, _ in old.in_flight.values()]
+        self.suspects.update((it.index, it.epoch) for it in lost)
+        running = f"dataset rows {sorted(it.index for it in lost)}" if lost else "no prompt"
+        deaths = old.deaths + 1
+        what = f"rollout worker {i} died ({first_line(cause)}) while running {running}"
+        if deaths > self.max_worker_restarts:
+            raise RuntimeError(f"{what}: its {deaths}th death without a group coming back in between "
+                               f"(cluster.max_worker_restarts = {self.max_worker_restarts}); the job stops")
+        self.say(f"tandem: {what}; replaced ({deaths} in a row)")
         new = self._new(i)
-        new.handed = old.handed
+        new.handed, new.deaths = old.handed, deaths
         self.ray.get(new.ready)
         new.ready = None
         self.slots[i] = new
@@ -113,10 +131,10 @@ class RolloutPool:
     # ------------------------------------------------------------------------------ prompts
 
     def in_flight(self) -> int:
-        return sum(len(s.in_flight) for s in self.slots)
+        return sum(len(s.in_flight) for s in self.slots) + len(self.parked)
 
     def pending_items(self) -> list:
-        return [item for s in self.slots for item, _ in s.in_flight.values()]
+        return [item for s in self.slots for item, _ in s.in_flight.values()] + list(self.parked)
 
     def feed(self, next_item, room: int) -> int:
         """Hand out up to `room` prompts (next_item() gives each), least-loaded serving worker first,
@@ -124,11 +142,16 @@ class RolloutPool:
         self.apply_scale()
         live = [s for s in self.slots[:self.target] if s.ready is None]
         sent = 0
-        while sent < room and live:
-            s = min(live, key=lambda x: (len(x.in_flight), x.handed))
+        while sent < room and (shared := [s for s in live if not s.alone]):
+            s = min(shared, key=lambda x: (len(x.in_flight), x.handed))
             if len(s.in_flight) >= self.per_worker:
                 break
-            item = next_item()
+            item = self.parked.pop(0) if self.parked else next_item()
+            if (item.index, item.epoch) in self.suspects:  # alone, on a worker with nothing else in flight
+                if s.in_flight:
+                    self.parked.insert(0, item)
+                    break
+                s.alone = True
             item.queued_at, item.min_version = time.time(), self.version
             meta, group = s.actor.rollout.options(num_returns=2).remote(item)
             s.in_flight[meta] = (item, group)
@@ -156,10 +179,13 @@ class RolloutPool:
                     # failure (retried once, then recorded), not the worker's; replacing the worker would hand the
                     # prompt out again to fail again, for ever
                     meta = {"failure": f"rollout of dataset row {item.index} raised {first_line(e)}", "no_reward": False}
-                except self.ray.exceptions.RayError:  # worker died (or its result was lost)
+                except self.ray.exceptions.RayError as e:  # worker died (or its result was lost)
                     self.counters["worker_failures"] += 1
-                    lost += [item] + self._replace(i)
+                    s.in_flight[ref] = (item, group)  # among what it held when it died
+                    lost += self._replace(i, e)
                     break
+                s.deaths, s.alone = 0, s.alone and bool(s.in_flight)
+                self.suspects.discard((item.index, item.epoch))
                 out.append((item, meta, group))
         return out, lost
 
@@ -189,11 +215,11 @@ class RolloutPool:
         for s, ref in serving:
             try:
                 self.ray.get(ref)
-            except self.ray.exceptions.RayError:
+            except self.ray.exceptions.RayError as e:
                 i = next((i for i, x in enumerate(self.slots) if x is s), None)
                 if i is not None:
                     self.counters["worker_failures"] += 1
-                    lost += self._replace(i)
+                    lost += self._replace(i, e)
         return lost
 
     def stats(self) -> list[dict]:

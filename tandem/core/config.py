@@ -297,6 +297,9 @@ class ClusterConfig(_Section):
     max_restarts: int = Field(3, ge=0, le=100, description="times the job is restarted from its newest checkpoint "
                               "after the learner or the controller died (rollout workers are always replaced); "
                               "0 = stop at the first death")
+    max_worker_restarts: int = Field(8, ge=0, le=1000, description="times one rollout worker is replaced in a row, "
+                                     "no group coming back from it in between, before the job stops (a crash loop); "
+                                     "the prompts a worker died on twice are failed, not handed out again")
 
     @field_validator("vllm_gpu_memory_utilization")
     @classmethod

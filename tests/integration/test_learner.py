@@ -252,14 +252,15 @@ def test_reference_is_base_model(tmp_path, tiny_model):
 
 def test_non_finite_loss_stops_before_the_weights_move(tmp_path, tiny_model):
     """A NaN sampler log-prob (TIS on) makes micro-step 2 of 4 non-finite: train raises, naming the
-    forward, and no weight has moved (the optimizer step comes only at the fourth)."""
+    forward, the input, the sequence, the token and the prompt, and no weight has moved (the optimizer step comes only at the fourth)."""
     groups = make_groups(2, 4, seed=13)
     groups[1].sampler_logprobs[0] = float("nan")  # the first token of sample 4: micro-batch 2
     cfg = job(tmp_path, tiny_model, per=2, ga=4, spg=4, grpo={"vllm_importance_sampling_correction": True},
               model={"max_tokens_per_forward": None})  # the plan's four micro-batches, one forward each
     lr = started(Learner(cfg, port=free_port(), optimizer=sgd(LR)))
     before = lr.trainable_parameters()
-    with pytest.raises(FloatingPointError, match="non-finite loss nan at forward 2 of 4"):
+    with pytest.raises(FloatingPointError, match=r"non-finite loss nan at forward 2 of 4: the sampler's log-probs "
+                       r"not finite at sequence 4 \(completion 0 of group 1, the prompt at dataset index 1\), token 0"):
         lr.train(groups)
     after = lr.trainable_parameters()
     assert all(torch.equal(before[k], after[k]) for k in before)

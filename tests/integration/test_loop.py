@@ -16,6 +16,7 @@ from tests.helpers.learner import started
 
 pytestmark = pytest.mark.integration
 REWARD = f"{ROOT}/examples/rewards.py:digits_reward"
+SAME_WEIGHTS = 1e-5  # sampler - learner mean |log-prob| when both hold one version (fp32 on the CPU)
 
 
 def loop_job(tmp_path, model, k, workers=1, **extra):
@@ -62,6 +63,8 @@ def test_end_to_end(ray_session, tmp_path, tiny_model):
         for s in r["steps"]:
             assert math.isfinite(s["loss"]) and all(math.isfinite(v) for v in s.values() if isinstance(v, float))
             assert s["version_lag_max"] <= k
+            if s["version_lag_max"] == 0:  # sampled with the weights it trains from: the two agree to fp32
+                assert s["tis/sampler_abs_diff_mean"] <= SAME_WEIGHTS, (c, s["tis/sampler_abs_diff_mean"])
         if c == 0:
             victim = ray_session.get(ctl.workers[0].health.remote())["pid"]
             os.kill(victim, signal.SIGKILL)
@@ -105,12 +108,16 @@ def test_colocated_learner_and_engine_share_one_process_and_lose_nothing(ray_ses
 
 def test_k0_samples_each_cycle_with_the_previous_version_and_resume_continues_order_and_version(
         ray_session, tmp_path, tiny_model):
-    cfg = loop_job(tmp_path, tiny_model, 0, batch={"max_steps": 4})
+    # q and v only, as TRL's quick start: the engine's packed qkv layer is adapted in part
+    cfg = loop_job(tmp_path, tiny_model, 0, batch={"max_steps": 4},
+                   model={"lora": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}})
     a = started(Controller(cfg))
     U = a.plan.unique_prompts
     for c in range(4):
         r = a.step()
         assert r["version"] == c + 1 and all(s["version_lag_max"] == 0 for s in r["steps"])
+        # every publish served as the learner holds it: the sampler's log-probs are the learner's
+        assert all(s["tis/sampler_abs_diff_mean"] <= SAME_WEIGHTS for s in r["steps"]), r["steps"]
         if c == 1:
             a.save_checkpoint()
     # max_staleness 0: every group of cycle c sampled with version c exactly
@@ -292,3 +299,34 @@ def test_eval_is_recorded_at_its_steps_scored_as_the_reward_says_and_reported(ra
     assert [e.step for e in ea.Scalars("eval/reward")] == [0, 2, 4, 5]
     # TensorBoard keeps float32: equal to the record within float32's precision
     assert [e.value for e in ea.Scalars("reward")] == pytest.approx([s["reward"] for s in steps[1:]], rel=1e-6, abs=1e-7)
+
+
+def test_a_prompt_that_kills_its_worker_fails_alone_and_the_run_goes_on(ray_session, tmp_path, tiny_model, capfd):
+    """A reward run in the worker's process (reward_timeout_s null) that exits it on one row, as a tool calling os._exit
+    does: the worker dies with that row and
+    the others it held; they are handed out again, the suspect alone, so the second death is that row's only; it is
+    recorded as failed (worker_died), not handed out a third time, the run finishes, each death said in one line."""
+    rew = tmp_path / "deadly.py"
+    rew.write_text("import os\n\ndef r(completions, prompts, **kw):\n"
+                   "    if any('3 + 3' in str(p) for p in prompts):\n        os._exit(3)\n"
+                   "    return [float(len(c)) for c in completions]\n")
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{a} + {a}"}) + "\n" for a in range(6)))
+    cfg = make_job(tmp_path, tiny_model, [f"{rew}:r"], model={"fast_inference": False}, reward_timeout_s=None,
+                   batch={"per_device_train_batch_size": 8, "num_generations": 4, "max_steps": 2},
+                   cluster={"num_rollout_workers": 1, "max_staleness": 0, "rollout_prompts_in_flight": 4},
+                   generation={"max_completion_length": 4}, optimizer={"learning_rate": 1e-2},
+                   logging={"output_dir": str(tmp_path / "run"), "progress": False})
+    ctl = started(Controller(cfg))
+    try:
+        while not ctl.step()["done"]:
+            pass
+        failed = [json.loads(x) for x in (tmp_path / "run" / "failed_prompts.jsonl").read_text().splitlines()]
+        assert [(f["index"], f["epoch"], f["reason"]) for f in failed] == [(3, 0, "worker_died")]
+        assert ctl.counters["worker_failures"] == 2
+        trained = [(e, i) for e, i, _ in ctl.seen]
+        assert len(trained) == 4 and (0, 3) not in trained and len(set(trained)) == 4
+    finally:
+        ctl.shutdown()
+    deaths = [x for x in capfd.readouterr().err.splitlines() if "rollout worker 0 died" in x]
+    assert len(deaths) == 2 and "replaced (1 in a row)" in deaths[0] and "replaced (2 in a row)" in deaths[1]
+    assert "while running dataset rows [3]" in deaths[1]  # the second time alone
