@@ -70,25 +70,44 @@ def cmd_run(args) -> int:
         return run_job(cfg, address=address)
 
 
-def cmd_submit(args) -> int:
-    from tandem.services.app.run import submit_job
-    from tandem.services.app.upload import plan_upload
+def _inside(job: str, directory: str) -> str:
+    """The job file's path relative to the uploaded directory (how the cluster finds it there)."""
+    try:
+        return str(Path(job).absolute().relative_to(Path(directory).absolute()))
+    except ValueError:
+        raise JobConfigError(f"job file {job!r}: not inside the uploaded directory {directory!r}; allowed: a job file "
+                             "under the directory `tandem submit` runs in (or under --working-dir)") from None
 
-    JobConfig.from_yaml(args.job, args.set)  # the schema only: the files and CUDA are the cluster's
-    upload = None
-    if args.working_dir:
+
+def cmd_submit(args) -> int:
+    import shutil
+
+    from tandem.services.app.run import submit_job
+    from tandem.services.app.upload import plan_job_upload, plan_upload
+
+    cfg = JobConfig.from_yaml(args.job, args.set)  # the schema only: the files and CUDA are the cluster's
+    upload, job = None, args.job
+    if args.working_dir:  # the whole directory, spelled out: scanned, credentials held back
         upload = plan_upload(args.working_dir, args.allow)
+        job = _inside(args.job, args.working_dir)
+    elif args.working_dir is None:  # what the job names, nothing else
+        job = _inside(args.job, ".")
+        upload = plan_job_upload(job, cfg, args.include)
+    if upload is not None:
         print("\n".join(upload.lines()))
     if args.dry_run:
         print(f"{args.job}: valid; --dry-run: nothing sent")
         return 0
+    stage = upload.stage() if upload is not None else None
     try:
-        client, job_id = submit_job(args.job, args.set, args.address, args.working_dir,
-                                     upload.excludes() if upload else [])
+        client, job_id = submit_job(job, args.set, args.address, stage)
     except TimeoutError as e:
         print(f"tandem submit: the Jobs API at {args.address or 'this machine'} did not take the job: {e}",
               file=sys.stderr)
         return 1
+    finally:
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
     where = f" --address {args.address}" if args.address else ""
     print(f"submitted {job_id}: follow with `ray job logs -f {job_id}{where}`, stop with "
           f"`ray job stop {job_id}{where}`; `tandem status {args.job}` on a machine of the cluster")
@@ -179,8 +198,11 @@ def add_job_commands(sub) -> None:
     su.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     su.add_argument("--address", default=None,
                     help="the cluster's dashboard, e.g. http://head:8265 (default: RAY_ADDRESS, else this machine)")
-    su.add_argument("--working-dir", default=".",
-                    help="uploaded and made the job's working directory (default: here); '' uploads nothing")
+    su.add_argument("--working-dir", default=None,
+                    help="upload this whole directory (scanned: credentials held back) as the job's working directory; "
+                         "default: only what the job names, from here; '' uploads nothing")
+    su.add_argument("--include", action="append", default=[], metavar="PATH",
+                    help="upload this file or folder too (the default upload: only what the job names)")
     su.add_argument("--wait", action="store_true", help="print the job's log until it ends; exit 1 unless it succeeded")
     su.add_argument("--allow", action="append", default=[], metavar="PATH",
                     help="upload this file (or folder) even though it looks like a credential (as the list names it)")

@@ -195,11 +195,10 @@ def connect_controller(output_dir: str, address: str | None):
 
 
 def submit_job(job: str, overrides: list[str], address: str | None, working_dir: str | None,
-               excludes: list[str] = (), patience_s: float = 180.0) -> tuple:
+               patience_s: float = 180.0) -> tuple:
     """`tandem run` of this job file as a Ray job (Jobs API of the cluster's dashboard at `address`;
-    None: RAY_ADDRESS or this machine). working_dir is uploaded and becomes the job's working
-    directory, so the job file and its relative paths must lie inside it, less `excludes` (Ray's runtime_env
-    excludes: the files services/app/upload.py holds back). A head that has just
+    None: RAY_ADDRESS or this machine). working_dir (services/app/upload.py stages what is sent) is uploaded and
+    becomes the job's working directory, so the job file and its relative paths must lie inside it. A head that has just
     started may refuse (no job agent yet) or not answer a submission: it is retried under one
     submission id (so never started twice) for up to patience_s. -> (client, job id)"""
     import uuid
@@ -207,7 +206,7 @@ def submit_job(job: str, overrides: list[str], address: str | None, working_dir:
     from ray.job_submission import JobSubmissionClient
 
     entry = ["python", "-m", "tandem.services.app.cli", "run", job, "--address", "auto"]
-    runtime_env = {"working_dir": working_dir, "excludes": list(excludes)} if working_dir else None
+    runtime_env = {"working_dir": working_dir} if working_dir else None
     for item in overrides:
         entry += ["--set", item]
     token = cluster_token()  # sent as Ray's own clients send it; ignored by a cluster without token auth

@@ -25,8 +25,9 @@ def scrape(port: int) -> dict:
 
 
 def test_submit_runs_the_job_on_the_cluster(ray_head, tmp_path, tiny_model, capsys, monkeypatch):
-    """Submitted with the token, its files filtered and listed; while it runs, the dashboard's metrics
-    endpoint exports the values metrics.jsonl records."""
+    """Submitted with the token, only what the job names uploaded (every credential kind of the probes beside it,
+    none sent) and listed, and exactly that arrives on the head; while it runs, the dashboard's metrics endpoint
+    exports the values metrics.jsonl records."""
     import threading
 
     from tandem.services.app.cli import main
@@ -60,7 +61,7 @@ def test_submit_runs_the_job_on_the_cluster(ray_head, tmp_path, tiny_model, caps
     (wd / ".env").write_text("SECRET=1\n")  # never leaves this machine
     (wd / ".git").mkdir()
     (wd / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
-    write_tree(wd, {**CREDENTIALS, **SECRET_CONTENT})  # what the probe of issue 26 found on the head
+    write_tree(wd, {**CREDENTIALS, **SECRET_CONTENT})  # every credential kind a probe found on a head
     os.chdir(wd)  # the job file and its data as a user would have them (pytest restores nothing: go back)
     try:
         rc = answered_within(lambda: main(["submit", "job.yaml", "--address", ray_head["url"], "--wait", "--set",
@@ -72,8 +73,9 @@ def test_submit_runs_the_job_on_the_cluster(ray_head, tmp_path, tiny_model, caps
     printed = capsys.readouterr().out
     assert rc == 0, printed[-3000:]
     assert "submitted tandem-" in printed and "SUCCEEDED" in printed and "reward: first" in printed
-    assert "uploading .: 2 files" in printed and "(data.jsonl, job.yaml)" in printed, printed[:500]
-    assert all(f"  {rel}: " in printed for rel in {**CREDENTIALS, **SECRET_CONTENT}), printed[:3000]
+    assert "uploading what the job names from" in printed and ": 2 files" in printed, printed[:500]
+    sent = [ln[4:] for ln in printed.splitlines() if ln.startswith("  + ")]
+    assert sent == ["job.yaml (the job file)", "data.jsonl (data.path)"], printed[:3000]
     # what arrived on the head: the job's working directory as Ray unpacked it there
     arrived = {str(p.relative_to(d)) for d in Path(ray_head["temp"]).glob("session_*/runtime_resources/"
                                                                            "working_dir_files/*/")

@@ -7,7 +7,9 @@ import os
 import pickle
 import random
 import re
+import shutil
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -176,46 +178,86 @@ def test_submit_uploads_what_ray_would_minus_secrets_and_history(tmp_path):
     assert got["job.yaml"] == 5
 
 
-def test_submit_holds_back_credentials_by_name_and_by_content_and_names_each(tmp_path, capsys):
-    """Every credential file of the probe is held back with its reason (a name rule, or what detect-secrets
-    found); --dry-run prints the list and contacts no cluster (the address is a closed port)."""
+def test_submit_of_a_whole_directory_holds_back_every_credential_by_name_or_content_and_names_each(tmp_path, capsys):
+    """--working-dir DIR: every credential file of the probes is held back with its reason (a name rule, what
+    detect-secrets or our rules found, in UTF-16/32 text too), a name ending in a space or holding a backslash
+    included; binaries are listed as unscanned; --dry-run contacts no cluster (the address is a closed port)."""
     from tandem.services.app.cli import main
 
     write_tree(tmp_path, {**CREDENTIALS, **SECRET_CONTENT, "data.jsonl": '{"prompt": "1 + 1"}\n',
-                          "rewards.py": "def r(completions, **kw):\n    return [1.0] * len(completions)\n"})
+                          "rewards.py": "def r(completions, **kw):\n    return [1.0] * len(completions)\n",
+                          "weights.bin": bytes(range(256)) * 4})
     (tmp_path / "job.yaml").write_text(yaml.safe_dump({"model": {"path": "m"}, "data": {"path": "data.jsonl"},
                                                       "rewards": ["rewards.py:r"]}))
     rc = main(["submit", str(tmp_path / "job.yaml"), "--working-dir", str(tmp_path), "--dry-run",
                "--address", "http://127.0.0.1:9"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert f"uploading {tmp_path}: 3 files" in out and "(data.jsonl, job.yaml, rewards.py)" in out, out
-    held = dict(ln.strip().split(": ", 1) for ln in out.splitlines() if ln.startswith("  "))
-    assert set(held) == set(CREDENTIALS) | set(SECRET_CONTENT), held
+    assert f"uploading the whole directory from {tmp_path}: 4 files" in out, out
+    sent = [ln[4:] for ln in out.splitlines() if ln.startswith("  + ")]
+    assert sent == ["data.jsonl", "job.yaml", "rewards.py", "weights.bin"], out
+    held = dict(ln[4:].split(": ", 1) for ln in out.splitlines() if ln.startswith("  - "))
+    shown = {repr(p) if p != p.strip() else p for p in {**CREDENTIALS, **SECRET_CONTENT}}
+    assert set(held) == shown, set(held) ^ shown
     assert "by its name" in held["server.key"] and "SSH key" in held[".ssh/known_hosts"]
+    assert "by its name" in held[".cache/huggingface/token"] and "by its name" in held[".dockercfg"]
     assert "AWS Access Key on line 1" in held["settings.py"] and "Private Key on line 1" in held["notes/deploy.txt"]
+    assert "Hugging Face token on line 1" in held["scripts/train.sh"] and "secret assigned" in held["launch.sh"]
+    assert "docker registry auth" in held["registry.json"]
+    assert "private key on line 1" in held["notes/utf16.txt"] and "private key on line 1" in held["notes/utf32be.txt"]
+    assert "private key" in held["'notes/trailing space.txt '"] and "private key" in held["notes/back\\slash.txt"]
     assert "Secret Keyword" in held["conf.ini"] and "--dry-run: nothing sent" in out
+    assert "not scanned for secrets: weights.bin (binary)" in out
 
 
-def test_allow_sends_one_held_file_and_the_excludes_are_exactly_the_rest(tmp_path):
-    """--allow PATH sends that file; what Ray is told to exclude is each other held file, anchored and escaped
-    (a name with glob characters excludes itself only), and Ray's own pattern matcher agrees."""
-    from ray._private.thirdparty.pathspec import PathSpec
-
+def test_the_staged_upload_holds_exactly_the_files_listed_whatever_their_names(tmp_path):
+    """What Ray zips is a staging directory holding the files sent and nothing else: a held file whose name ends in
+    a space, holds a backslash or glob characters stays behind, byte-exact names arrive; --allow PATH sends one."""
     from tandem.core.config import JobConfigError
     from tandem.services.app.upload import plan_upload
 
     write_tree(tmp_path, {"a[1].pem": "x", "a1.pem": "x", "settings.py": SECRET_CONTENT["settings.py"],
-                          "keys/server.key": PRIVATE_KEY, "ok.txt": "fine\n"})
+                          "keys/server.key": PRIVATE_KEY, "ok.txt": "fine\n", "x\\y.txt": "fine\n",
+                          "note.txt ": PRIVATE_KEY, "note.txt": "fine\n"})
     plan = plan_upload(str(tmp_path), allow=["settings.py"])
-    assert dict(plan.sent).keys() == {"settings.py", "ok.txt"}
-    assert {p for p, _ in plan.held} == {"a[1].pem", "a1.pem", "keys/server.key"}
-    spec = PathSpec.from_lines("gitwildmatch", plan.excludes())
-    assert [p for p in ("a[1].pem", "a1.pem", "keys/server.key", "settings.py", "ok.txt") if spec.match_file(p)] == \
-        ["a[1].pem", "a1.pem", "keys/server.key"]
+    assert dict(plan.sent).keys() == {"settings.py", "ok.txt", "x\\y.txt", "note.txt"}
+    assert {p for p, _ in plan.held} == {"a[1].pem", "a1.pem", "keys/server.key", "note.txt "}
+    stage = Path(plan.stage())
+    try:
+        arrived = {str(p.relative_to(stage)): p.read_bytes() for p in stage.rglob("*") if p.is_file()}
+    finally:
+        shutil.rmtree(stage)
+    assert arrived == {rel: (tmp_path / rel).read_bytes() for rel, _ in plan.sent}
     assert dict(plan_upload(str(tmp_path), allow=[str(tmp_path / "keys")]).sent).keys() >= {"keys/server.key"}
     with pytest.raises(JobConfigError, match=r"--allow '/etc/passwd': not inside the uploaded directory"):
         plan_upload(str(tmp_path), allow=["/etc/passwd"])
+
+
+def test_submit_by_default_sends_what_the_job_names_and_the_modules_they_import(tmp_path, monkeypatch, capsys):
+    """No --working-dir: the job file, its data and eval files, the reward file, the module it imports from the
+    working directory (and that one's package), what --include adds; no credential of any kind, nothing else."""
+    from tandem.services.app.cli import main
+
+    write_tree(tmp_path, {**CREDENTIALS, **SECRET_CONTENT, "data/train.jsonl": '{"prompt": "1 + 1"}\n',
+                          "data/eval.jsonl": '{"prompt": "2 + 2"}\n', "unrelated.py": "x = 1\n",
+                          "task/rewards.py": "import json\nfrom helpers.scoring import score\n\n"
+                                             "def r(completions, **kw):\n    return [score(c) for c in completions]\n",
+                          "helpers/__init__.py": "", "helpers/scoring.py": "import numpy\n\ndef score(c):\n"
+                                                                           "    return 1.0\n",
+                          "README.txt": "read me\n"})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({
+        "model": {"path": "Qwen/Qwen2.5-0.5B-Instruct"}, "data": {"path": "data/train.jsonl"},
+        "eval": {"path": "data/eval.jsonl"}, "rewards": ["task/rewards.py:r", "/elsewhere/r.py:f"]}))
+    monkeypatch.chdir(tmp_path)
+    rc = main(["submit", "job.yaml", "--include", "README.txt", "--dry-run", "--address", "http://127.0.0.1:9"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    sent = {ln[4:].split(" (")[0]: ln.split(" (", 1)[1].rstrip(")") for ln in out.splitlines() if ln.startswith("  + ")}
+    assert sent == {"job.yaml": "the job file", "data/train.jsonl": "data.path", "data/eval.jsonl": "eval.path",
+                    "task/rewards.py": "rewards", "helpers/__init__.py": "imported by task/rewards.py",
+                    "helpers/scoring.py": "imported by task/rewards.py", "README.txt": "--include"}, out
+    assert "  = /elsewhere/r.py (rewards)" in out and "  = Qwen/Qwen2.5-0.5B-Instruct (model.path)" in out and "--dry-run: nothing sent" in out
+    assert not any(ln.startswith("  - ") for ln in out.splitlines())  # nothing scanned: nothing else is a candidate
 
 
 def test_lengths_past_the_models_positions_are_refused_naming_both_fields(tmp_path):
