@@ -63,9 +63,9 @@ def cmd_run(args) -> int:
     if cfg.cluster.max_restarts > 0 and not os.environ.get(SUPERVISED):  # the driver as a child, restarted;
         return supervise([args.job, *(x for s in args.set for x in ("--set", s)),  # it checks the inputs
                           *(["--address", args.address] if args.address else [])], cfg.cluster.max_restarts)
-    from tandem.services.app.run import hold_run_dir, run_job
+    from tandem.services.app.run import hold_run_dirs, run_job
 
-    with hold_run_dir(cfg.logging.output_dir):  # before the checks: a running job's directory is named as such
+    with hold_run_dirs(cfg):  # before the checks: a running job's directory is named as such
         check_inputs(cfg)  # the driver sees the same files as every node (README: shared filesystem)
         return run_job(cfg, address=address)
 

@@ -269,10 +269,33 @@ LOCK_FILE = ".tandem.lock"
 
 
 @contextlib.contextmanager
-def hold_run_dir(output_dir: str):
-    """The run directory for this driver alone while it runs: an flock on <output_dir>/.tandem.lock (released by
-    the kernel when the process dies, so a restarted driver takes it again). A second `tandem run` into it is
-    refused in one line, before it starts a Ray or clears the directory; so is a directory it cannot write."""
+def hold_run_dirs(cfg):
+    """hold_run_dir for every directory the run writes: logging.output_dir (metrics, evaluation, the adapter) and
+    checkpoint.dir where it lies outside it, every one checked writable before any is taken. Two jobs sharing any
+    of them: the second is refused in one line naming the field."""
+    from tandem.core.checks import unwritable
+    from tandem.core.config import JobConfigError
+
+    out = Path(cfg.logging.output_dir).absolute()
+    dirs = [("logging.output_dir", cfg.logging.output_dir)]
+    ck = cfg.checkpoint.dir
+    if ck is not None and not Path(ck).absolute().is_relative_to(out):
+        dirs.append(("checkpoint.dir", ck))
+    for name, d in dirs:
+        if why := unwritable(d):
+            raise JobConfigError(why.replace("logging.output_dir", name, 1))
+    with contextlib.ExitStack() as held:
+        for name, d in dirs:
+            held.enter_context(hold_run_dir(d, name))
+        yield
+
+
+@contextlib.contextmanager
+def hold_run_dir(output_dir: str, name: str = "logging.output_dir"):
+    """The directory for this driver alone while it runs: an flock on <dir>/.tandem.lock (released by the kernel when
+    the process dies, so a restarted driver takes it again), the file removed when the run ends. A second `tandem run`
+    into it is refused in one line, before it starts a Ray or clears the directory; so is a directory it cannot
+    write."""
     import fcntl
     import socket
 
@@ -280,24 +303,36 @@ def hold_run_dir(output_dir: str):
     from tandem.core.config import JobConfigError
 
     if why := unwritable(output_dir):
-        raise JobConfigError(why)
+        raise JobConfigError(why.replace("logging.output_dir", name, 1))
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     path = Path(output_dir) / LOCK_FILE
-    with open(path, "a+") as f:
+    while True:
+        f = open(path, "a+")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
-            raise JobConfigError(f"logging.output_dir = {output_dir!r}: a job is already running in it "
-                                 f"({f.read().strip() or 'its lock is held'}); allowed: another directory, or the "
-                                 "same one once that job has ended (`tandem status` shows it)") from None
+            held_by = f.read().strip() or "its lock is held"
+            f.close()
+            raise JobConfigError(f"{name} = {output_dir!r}: a job is already running in it ({held_by}); allowed: "
+                                 "another directory, or the same one once that job has ended (`tandem status` "
+                                 "shows it)") from None
+        try:  # the file we locked may have been removed by the run that held it before: take the one there now
+            same = os.stat(path).st_ino == os.fstat(f.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        f.close()
+    try:
         f.truncate(0)
         f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         f.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # while still held: a waiting run then sees a new file, not this one
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
 
 
 def run_job(cfg, address: str | None = None, out=None, datasets: dict | None = None) -> int:

@@ -159,7 +159,7 @@ class GRPOTrainer:
         """resume_from_checkpoint (TRL's argument): True, or a checkpoint of this run, continues from the run's
         newest complete checkpoint (Tandem resumes the newest it can read, naming any it skips)."""
         from tandem.core.checks import check_inputs
-        from tandem.services.app.run import hold_run_dir, run_job, start_ray
+        from tandem.services.app.run import hold_run_dirs, run_job, start_ray
 
         cfg = self.job
         if resume_from_checkpoint:
@@ -169,7 +169,7 @@ class GRPOTrainer:
                 raise JobConfigError(f"train(resume_from_checkpoint={resume_from_checkpoint!r}): not a checkpoint of "
                                      f"this run; allowed: True, or a path under {ck}")
             cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": True})})
-        with hold_run_dir(cfg.logging.output_dir):
+        with hold_run_dirs(cfg):
             if self.functions:
                 write_functions(Path(cfg.logging.output_dir) / FUNCTIONS_FILE, self.functions)
             check_inputs(cfg, given=set(self.datasets))

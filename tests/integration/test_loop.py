@@ -19,7 +19,7 @@ REWARD = f"{ROOT}/examples/rewards.py:digits_reward"
 SAME_WEIGHTS = 1e-5  # sampler - learner mean |log-prob| when both hold one version (fp32 on the CPU)
 
 
-def loop_job(tmp_path, model, k, workers=1, **extra):
+def loop_job(tmp_path, model_path, k, workers=1, **extra):
     """One rollout worker unless a test needs more: each one is a process importing vLLM (~10 s here)."""
     sections = dict(batch={"per_device_train_batch_size": 8, "num_generations": 4, "max_steps": 3},
                     cluster={"num_rollout_workers": workers, "max_staleness": k},
@@ -28,7 +28,7 @@ def loop_job(tmp_path, model, k, workers=1, **extra):
                     logging={"output_dir": str(tmp_path / "run"), "progress": False})
     for name, v in extra.items():
         sections.setdefault(name, {}).update(v)
-    return make_job(tmp_path, model, [REWARD], **sections)
+    return make_job(tmp_path, model_path, [REWARD], **sections)
 
 
 def pending(ctl):

@@ -357,3 +357,28 @@ def test_tandem_check_reads_the_data_and_refuses_what_trains_nothing(job_files, 
     data.write_text(json.dumps({"prompt": "ok"}) + "\n")
     assert main(["check", str(job), "--set", "batch.max_steps=0"]) == 2
     assert "batch.max_steps = 0: trains nothing; allowed: -1" in capsys.readouterr().err
+
+
+def test_two_runs_sharing_a_checkpoint_dir_are_refused_and_no_lock_outlives_a_run(tmp_path, job_files):
+    """The run lock covers every directory a run writes: a second job with its own output_dir but the first one's
+    checkpoint.dir is refused naming checkpoint.dir, and takes no lock of its own on the way; when a run ends, or is
+    refused, no .tandem.lock is left; a run after it takes the directories again."""
+    from tandem.services.app.run import LOCK_FILE, hold_run_dirs
+
+    shared = str(tmp_path / "ckpts")
+    first = cfg_of(job_files, logging={"output_dir": str(tmp_path / "a")}, checkpoint={"dir": shared})
+    second = cfg_of(job_files, logging={"output_dir": str(tmp_path / "b")}, checkpoint={"dir": shared})
+    with hold_run_dirs(first):
+        assert (tmp_path / "a" / LOCK_FILE).exists() and (tmp_path / "ckpts" / LOCK_FILE).exists()
+        with pytest.raises(JobConfigError, match=rf"checkpoint.dir = '{re.escape(shared)}': a job is already running "
+                                                 rf"in it \(pid {os.getpid()} on "):
+            with hold_run_dirs(second):
+                pass
+        assert not (tmp_path / "b" / LOCK_FILE).exists()  # the refused run's own lock released and removed
+    assert not list(tmp_path.rglob(LOCK_FILE))
+    with hold_run_dirs(second):  # free again
+        pass
+    assert not list(tmp_path.rglob(LOCK_FILE))
+    inside = cfg_of(job_files, logging={"output_dir": str(tmp_path / "c")}, checkpoint={"dir": str(tmp_path / "c" / "k")})
+    with hold_run_dirs(inside):  # a checkpoint.dir inside output_dir: one lock
+        assert [p.parent.name for p in tmp_path.rglob(LOCK_FILE)] == ["c"]
