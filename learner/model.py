@@ -8,6 +8,7 @@ import warnings
 
 import torch
 
+from tandem.core.adapter import with_lora
 from tandem.kernels.lora_linear import lora_linear
 
 
@@ -15,19 +16,7 @@ def load_policy(cfg):
     m = cfg.model
     model = _causal_lm(cfg)
     if m.lora is not None:
-        from peft import LoraConfig, get_peft_model
-
-        lc = LoraConfig(r=m.lora.r, lora_alpha=m.lora.lora_alpha, lora_dropout=m.lora.lora_dropout,
-                        target_modules=list(m.lora.target_modules), task_type="CAUSAL_LM")
-        try:
-            model = get_peft_model(model, lc)
-        except ValueError as e:  # peft: "Target modules {...} not found in the base model"
-            from tandem.core.config import JobConfigError
-
-            names = sorted({n.rsplit(".", 1)[-1] for n, x in model.named_modules() if isinstance(x, torch.nn.Linear)})
-            raise JobConfigError(f"model.lora.target_modules = {list(m.lora.target_modules)}: "
-                                 f"{str(e).strip().splitlines()[0]}; allowed: names of {m.path}'s linear layers, "
-                                 f"e.g. {names}") from None
+        model = with_lora(model, m.lora, m.path)
         if cfg.cluster.zero_stage != 3:  # ZeRO-3 gathers lora_A/lora_B in their own forward hooks
             fuse_lora_linears(model)
     if m.gradient_checkpointing is True:  # "auto": the learner decides once the model is placed (learner/memory.py)

@@ -28,6 +28,7 @@ import numpy as np
 from tandem.core.config import JobConfigError
 from tandem.rollout.engine_loop import Release, Request, Sample
 from tandem.rollout.engines.base import Completion, Sampling
+from tandem.rollout.rewards import RewardError, reward_value
 from tandem.rollout.tools import TOOL_CALL_PARSERS, ToolResult, call_tools
 
 ENDINGS = ("answer", "iterations", "budget")  # why an episode ended: a turn without a call, the limit, the budget
@@ -361,11 +362,21 @@ class Environments:
     def tools(self, env) -> dict:
         return {n: getattr(env, n) for n in self.tool_names}
 
-    def rewards(self, envs) -> np.ndarray:
-        """float32 [n]: get_reward() of each instance (NaN without one: the column counts for nothing)."""
+    def rewards(self, envs, index: int) -> np.ndarray:
+        """float32 [n]: get_reward() of each instance, checked as a reward function's values are (None: NaN, no
+        reward for that sample; NaN, inf or a non-number: RewardError); NaN without one (the column counts for
+        nothing). `index`: the dataset row, for the error."""
         if not self.has_reward:
             return np.full(len(envs), np.nan, dtype=np.float32)
-        return np.asarray([float(e.get_reward()) for e in envs], dtype=np.float32)
+        out = np.empty(len(envs), dtype=np.float32)
+        for i, e in enumerate(envs):
+            where = f"environment {self.spec}: get_reward() on dataset row {index}, sample {i}"
+            try:
+                v = e.get_reward()
+            except Exception as err:  # noqa: BLE001 - that prompt's failure, named
+                raise RewardError(f"{where} raised {type(err).__name__}: {err}") from err
+            out[i] = reward_value(v, where)
+        return out
 
     @staticmethod
     def prompt_with(prompt: list[dict], observation: str) -> list[dict]:

@@ -61,16 +61,20 @@ class RewardFunctions:
                 got = f"{type(values).__name__} of length {len(values)}" if hasattr(values, "__len__") else repr(values)
                 raise RewardError(f"{where}: must return a list of {n} floats or None, got {got}")
             for i, v in enumerate(values):
-                if v is None:
-                    continue
-                if not isinstance(v, (int, float, np.integer, np.floating, np.bool_)):  # bool counts as 0/1
-                    raise RewardError(f"reward function {spec!r} on dataset row {rows[i]}: "
-                                      f"sample {i} is {v!r} ({type(v).__name__}); expected a number or None")
-                if not math.isfinite(float(v)):
-                    raise RewardError(f"reward function {spec!r} on dataset row {rows[i]}: sample {i} is {v}; "
-                                      "rewards must be finite (return None to skip a sample)")
-                out[i, f] = float(v)
+                out[i, f] = reward_value(v, f"reward function {spec!r} on dataset row {rows[i]}: sample {i}")
         return out
+
+
+def reward_value(v, where: str) -> float:
+    """One reward as the loss takes it: a finite number (a bool counts as 0/1), None = NaN (no reward for that
+    sample); anything else a RewardError saying `where` ("reward function 'f' on dataset row 3: sample 1")."""
+    if v is None:
+        return math.nan
+    if not isinstance(v, (int, float, np.integer, np.floating, np.bool_)):
+        raise RewardError(f"{where} is {v!r} ({type(v).__name__}); expected a number or None")
+    if not math.isfinite(float(v)):
+        raise RewardError(f"{where} is {v}; rewards must be finite (return None to skip a sample)")
+    return float(v)
 
 
 _CHILD: RewardFunctions | None = None

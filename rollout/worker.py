@@ -253,7 +253,7 @@ class RolloutWorker:
                 rows=[it.index] * G,
             )
             if req.envs is not None:
-                rewards = np.concatenate([rewards, self.environments.rewards(req.envs)[:, None]], axis=1)
+                rewards = np.concatenate([rewards, self.environments.rewards(req.envs, it.index)[:, None]], axis=1)
         except RewardError as e:
             with self._lock:
                 self._stats["failures"] += 1

@@ -23,10 +23,9 @@ class HFEngine(Engine):
         model.eval()
         self.lora = lora
         if lora is not None:
-            from peft import LoraConfig, get_peft_model
+            from tandem.core.adapter import with_lora
 
-            model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=0.0,
-                                                     target_modules=list(lora.target_modules)))
+            model = with_lora(model, lora, model_path, dropout=0.0)
             model.eval()
         self.model = model
         self._base = {}  # LoRA layer name -> its base weight as loaded, which every merge starts from

@@ -148,6 +148,13 @@ class GRPOTrainer:
             raise JobConfigError(f"GRPOTrainer({arg}=...): {type(fn).__name__} is not a function (reward models "
                                  "are not supported)")
         base = getattr(fn, "__name__", type(fn).__name__)
+        try:
+            pickled({base: fn})
+        except Exception as e:  # noqa: BLE001 - cloudpickle raises TypeError, PicklingError, RecursionError...
+            raise TypeError(f"GRPOTrainer({arg}=...): {getattr(fn, '__qualname__', base)} cannot be sent to the rollout "
+                            f"workers, which run it in processes of their own ({type(e).__name__}: {e}); allowed: a "
+                            "function whose closure and globals pickle (make a lock, client or open file inside it, "
+                            "or name it as 'module:function')") from None
         name, n = base, 1
         while name in self.functions:
             n += 1
@@ -295,18 +302,23 @@ def user_modules(fns: dict[str, Any]) -> list:
     return out
 
 
-def write_functions(path: Path, fns: dict[str, Any]) -> None:
-    """{name: function} pickled by value (cloudpickle), whole or not at all."""
+def pickled(fns: dict[str, Any]) -> bytes:
+    """{name: function} pickled by value (cloudpickle), the user's own modules included."""
     import cloudpickle
 
     mods = user_modules(fns)
     for m in mods:
         cloudpickle.register_pickle_by_value(m)
     try:
-        data = cloudpickle.dumps(fns)
+        return cloudpickle.dumps(fns)
     finally:
         for m in mods:
             cloudpickle.unregister_pickle_by_value(m)
+
+
+def write_functions(path: Path, fns: dict[str, Any]) -> None:
+    """{name: function} pickled by value, whole or not at all."""
+    data = pickled(fns)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(data)

@@ -71,9 +71,11 @@ def readable(ckpt: Path) -> str | None:
     """Why a checkpoint that looks complete cannot be resumed from (a cut tandem.json, a missing part, a state file
     cut short: torch.save writes a zip whose index is its last bytes), or None. Reads no tensor."""
     try:
-        json.loads((ckpt / "tandem.json").read_text())
+        meta = json.loads((ckpt / "tandem.json").read_text())
     except (OSError, ValueError) as e:
         return f"{ckpt / 'tandem.json'}: {e}"
+    if wrong := meta_error(meta):
+        return f"{ckpt / 'tandem.json'}: {wrong}"
     for part in ("state", "rng_rank0.safetensors"):
         if not (ckpt / part).exists():
             return f"{ckpt / part}: missing"
@@ -82,6 +84,28 @@ def readable(ckpt: Path) -> str | None:
             zipfile.ZipFile(pt).close()
         except (OSError, zipfile.BadZipFile) as e:
             return f"{pt}: cut short or not written by torch.save ({e})"
+    return None
+
+
+CONTROLLER_PARTS = ("source", "progress", "record", "buffer", "failures", "counters")
+
+
+def meta_error(meta) -> str | None:
+    """What in a checkpoint's tandem.json (hand-edited, or written by something else) does not have the type
+    resuming reads it as, or None."""
+    if not isinstance(meta, dict):
+        return f"holds a {type(meta).__name__}; expected an object with version, steps and controller"
+    for key in ("version", "steps"):
+        v = meta.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            return f"{key} is {v!r} ({type(v).__name__}); expected a whole number >= 0"
+    ctl = meta.get("controller")
+    if not isinstance(ctl, dict):
+        return f"controller is {ctl!r:.40} ({type(ctl).__name__}); expected an object"
+    for part in CONTROLLER_PARTS + ("fingerprint",):
+        v = ctl.get(part, {} if part == "fingerprint" else None)
+        if not isinstance(v, dict):
+            return f"controller.{part} is {v!r:.40} ({type(v).__name__}); expected an object"
     return None
 
 

@@ -43,3 +43,23 @@ def find_adapter(path: str | Path) -> Path:
         return ckpts[-1] / ADAPTER_DIR
     raise FileNotFoundError(f"{str(p)!r}: no adapter here (looked for adapter_config.json in it, in {ADAPTER_DIR}/, "
                             "and in checkpoints/cycle-*/adapter/); give a run directory, a checkpoint or an adapter")
+
+
+def with_lora(model, lora, model_path: str, *, dropout: float | None = None):
+    """`model` wrapped by peft's LoRA as the job's `model.lora` says; a target module the model lacks is a
+    JobConfigError naming the field, the bad names and the model's linear layers (peft's own ValueError does
+    not cross a Ray actor's boundary as itself)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from tandem.core.config import JobConfigError
+
+    lc = LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout if dropout is None else dropout,
+                    target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, lc)
+    except ValueError as e:  # peft: "Target modules {...} not found in the base model"
+        names = sorted({n.rsplit(".", 1)[-1] for n, x in model.named_modules() if isinstance(x, torch.nn.Linear)})
+        raise JobConfigError(f"model.lora.target_modules = {list(lora.target_modules)}: "
+                             f"{str(e).strip().splitlines()[0]}; allowed: names of {model_path}'s linear layers, "
+                             f"e.g. {names}") from None

@@ -92,7 +92,8 @@ def test_checkpointer_when_where_and_retention(tmp_path):
     for c in (1, 2, 3):
         d = tmp_path / "ck" / f"cycle-{c:06d}"
         (d / "state").mkdir(parents=True)
-        (d / "tandem.json").write_text("{}")
+        (d / "tandem.json").write_text(json.dumps({"version": c, "steps": c, "controller": {
+            p: {} for p in ("source", "progress", "record", "buffer", "failures", "counters")}}))
         (d / "rng_rank0.safetensors").write_bytes(b"")
     (tmp_path / "ck" / "cycle-000009.tmp").mkdir()  # half written: never resumed from
     (tmp_path / "ck" / "cycle-000008").mkdir()  # no tandem.json: incomplete

@@ -83,7 +83,7 @@ def test_one_instance_per_episode_its_methods_the_tools_its_reward_a_column(env_
     tools = envs.tools(made[1])
     assert tools["guess"](5) == "higher" and tools["guess"](7) == "open"
     assert made[1].tries == 2 and made[0].tries == 0  # state per episode
-    assert np.allclose(envs.rewards(made), [0.0, 0.5, 0.0])
+    assert np.allclose(envs.rewards(made, 4), [0.0, 0.5, 0.0])
     assert envs.prompt_with(row["prompt"], " (you have 3 tries)") == [
         {"role": "user", "content": "open the vault (you have 3 tries)"}]
     assert row["prompt"][0]["content"] == "open the vault"  # the row is left as it was
@@ -109,7 +109,7 @@ def test_an_episode_calls_its_own_instances_methods(env_file, tok):
         return call("guess", n=5) if rounds == 0 else (call("guess", n=7) if rounds == 1 else "done")
     eps, *_ = episodes(tok, script, n=2, tools_per_episode=[envs.tools(e) for e in made])
     assert [m["content"] for m in eps[0].messages if m["role"] == "tool"] == ["higher", "open"]
-    assert [e.tries for e in made] == [2, 2] and np.allclose(envs.rewards(made), [0.5, 0.5])
+    assert [e.tries for e in made] == [2, 2] and np.allclose(envs.rewards(made, 0), [0.5, 0.5])
     assert json.dumps(eps[0].messages)  # plain data for the reward functions
 
 
@@ -149,3 +149,25 @@ def test_the_job_file_checks_and_weighs_the_environment(env_file, job_files, tmp
     bad = JobConfig.from_dict({**job_files, "environment": f"{env_file}:NoReset"})
     assert environment_errors(bad) == [f"environment = {env_file}:NoReset: needs a reset(**row) method (TRL's "
                                        "environment_factory shape)"]
+
+
+@pytest.mark.parametrize("value,said", [(float("nan"), r"is nan; rewards must be finite"),
+                                        (float("inf"), r"is inf; rewards must be finite"),
+                                        ("0.5", r"is '0.5' \(str\); expected a number or None"),
+                                        (RuntimeError("no score"), r"raised RuntimeError: no score")])
+def test_get_reward_is_checked_as_a_reward_functions_values_are(tmp_path, value, said):
+    """NaN, inf, a non-number or an error from get_reward fail that prompt naming the environment, the row and the
+    sample (before: NaN trained as 0.0); None is no reward for that sample, as a reward function's None."""
+    from tandem.rollout.rewards import RewardError
+
+    p = tmp_path / "scored.py"
+    p.write_text("class Scored:\n    value = None\n    def reset(self, **kw):\n        return None\n"
+                 "    def get_reward(self):\n        if isinstance(self.value, Exception):\n"
+                 "            raise self.value\n        return self.value\n")
+    envs = Environments.load(f"{p}:Scored")
+    made, _ = envs.make(3, {"prompt": "x"}, index=5)
+    made[0].value, made[2].value = 1.0, 0.25
+    assert np.allclose(envs.rewards(made, 5), [1.0, np.nan, 0.25], equal_nan=True)
+    made[1].value = value
+    with pytest.raises(RewardError, match=rf"environment {p}:Scored: get_reward\(\) on dataset row 5, sample 1 {said}"):
+        envs.rewards(made, 5)

@@ -191,6 +191,18 @@ def test_what_tandem_does_not_do_is_refused_by_name(hub_cache, tmp_path):
     with pytest.raises(JobConfigError, match=r"DatasetDict of \['train'\]\): one split; allowed: e.g. ds\['train'\]"):
         GRPOTrainer(**{**kw, "train_dataset": datasets.DatasetDict({"train": ds})})
     assert GRPOTrainer(**{**kw, "train_dataset": ds}).datasets["data"] == rows  # a Dataset is its rows
+    import threading
+
+    lock = threading.Lock()
+
+    def guarded(completions, **kwargs):  # a closure over a lock: nothing a worker process can receive
+        with lock:
+            return [0.0] * len(completions)
+    with pytest.raises(TypeError, match=r"GRPOTrainer\(reward_funcs=...\): test_what_tandem_does_not_do_is_refused_by_"
+                                        r"name.<locals>.guarded cannot be sent to the rollout workers, .*lock"):
+        GRPOTrainer(**{**kw, "reward_funcs": [reward_len, guarded]})
+    with pytest.raises(TypeError, match=r"GRPOTrainer\(tools=...\): .*guarded cannot be sent"):
+        GRPOTrainer(**kw, tools=[guarded])
 
 
 def test_a_tokenizer_changed_in_memory_is_refused(hub_cache, tmp_path):

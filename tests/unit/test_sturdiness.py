@@ -47,12 +47,38 @@ def test_fingerprint_changes_with_what_decides_training_and_not_with_what_may_ch
     assert "data content" in fingerprint_changes(base, fingerprint(cfg_of(job_files), 8))[0]
 
 
+META = {"version": 1, "steps": 2, "controller": {p: {} for p in ("source", "progress", "record", "buffer", "failures",
+                                                                 "counters", "fingerprint")}}
+
+
+@pytest.mark.parametrize("edit,said", [
+    (lambda m: m.update(steps="2"), "steps is '2' (str); expected a whole number >= 0"),
+    (lambda m: m.update(version=-1), "version is -1 (int); expected a whole number >= 0"),
+    (lambda m: m.update(controller=[]), "controller is [] (list); expected an object"),
+    (lambda m: m["controller"].update(source=[1, 2]), "controller.source is [1, 2] (list); expected an object"),
+    (lambda m: m["controller"].pop("counters"), "controller.counters is None (NoneType); expected an object"),
+])
+def test_a_hand_edited_tandem_json_with_wrong_types_is_named_with_its_file_and_field(job_files, tmp_path, edit, said):
+    """Not a bare TypeError from deep in the resume: the checkpoint is refused as unreadable, naming the file and
+    the field (an older checkpoint is used where there is one; none left refuses the run, naming each)."""
+    root = tmp_path / "ck"
+    cfg = cfg_of(job_files, checkpoint={"dir": str(root)})
+    (root / "cycle-000002" / "state").mkdir(parents=True)
+    (root / "cycle-000002" / "rng_rank0.safetensors").write_bytes(b"x")
+    meta = json.loads(json.dumps(META))
+    edit(meta)
+    (root / "cycle-000002" / "tandem.json").write_text(json.dumps(meta))
+    with pytest.raises(JobConfigError) as e:
+        Checkpointer(cfg).refuse_if_none_readable()
+    assert f"cycle-000002 ({root / 'cycle-000002' / 'tandem.json'}: {said})" in str(e.value), str(e.value)
+
+
 def test_an_unreadable_newest_checkpoint_is_named_and_an_older_one_used(job_files, tmp_path):
     root = tmp_path / "ck"
     cfg = cfg_of(job_files, checkpoint={"dir": str(root)})
     for name in ("cycle-000002", "cycle-000004", "cycle-000006"):
         (root / name / "state").mkdir(parents=True)
-        (root / name / "tandem.json").write_text(json.dumps({"version": 1, "steps": 2}))
+        (root / name / "tandem.json").write_text(json.dumps(META))
         (root / name / "rng_rank0.safetensors").write_bytes(b"x")
     (root / "cycle-000006" / "tandem.json").write_text('{"version": 6, "ste')  # cut by a crash
     (root / "cycle-000004" / "rng_rank0.safetensors").unlink()
@@ -70,7 +96,7 @@ def test_a_state_file_cut_short_is_unreadable_and_none_readable_refuses_before_a
     cfg = cfg_of(job_files, checkpoint={"dir": str(root)})
     for name in ("cycle-000002", "cycle-000004"):
         (root / name / "state" / "global_step2").mkdir(parents=True)
-        (root / name / "tandem.json").write_text(json.dumps({"version": 1, "steps": 2}))
+        (root / name / "tandem.json").write_text(json.dumps(META))
         (root / name / "rng_rank0.safetensors").write_bytes(b"x")
         torch.save({"module": {"w": torch.ones(64)}}, root / name / "state" / "global_step2" / "mp_rank_00_model_states.pt")
     Checkpointer(cfg).refuse_if_none_readable()  # both intact: nothing to refuse
@@ -382,3 +408,17 @@ def test_two_runs_sharing_a_checkpoint_dir_are_refused_and_no_lock_outlives_a_ru
     inside = cfg_of(job_files, logging={"output_dir": str(tmp_path / "c")}, checkpoint={"dir": str(tmp_path / "c" / "k")})
     with hold_run_dirs(inside):  # a checkpoint.dir inside output_dir: one lock
         assert [p.parent.name for p in tmp_path.rglob(LOCK_FILE)] == ["c"]
+
+
+def test_a_bad_target_module_is_the_same_named_refusal_from_the_transformers_engine(tiny_model):
+    """fast_inference false builds its sampler with peft too: the same JobConfigError the learner gives (it crosses a
+    Ray actor's boundary as itself; peft's ValueError arrived as an UnserializableException)."""
+    import types
+
+    from tandem.rollout.engines.hf_engine import HFEngine
+
+    lora = types.SimpleNamespace(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["foo_proj"])
+    with pytest.raises(JobConfigError, match=r"model.lora.target_modules = \['foo_proj'\]: Target modules \{'foo_proj'\} "
+                                             r"not found.*allowed: names of .*'q_proj'"):
+        HFEngine(tiny_model, lora=lora)
+    assert pickle.loads(pickle.dumps(JobConfigError("x"))).args == ("x",)
