@@ -33,11 +33,11 @@ def cmd_plan(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from tandem.core.checks import check_inputs
+    from tandem.core.checks import check_inputs, earlier_run, run_dir_in_use, this_machine_errors
     from tandem.services.orchestrator.data import check_rows, read_dataset, shaped
 
     cfg = JobConfig.from_yaml(args.job, args.set)
-    check_inputs(cfg)
+    check_inputs(cfg, run_dir=False)  # an earlier run in output_dir is said below, not called invalid
     tok = None
     if cfg.data.system_prompt is not None:  # a string prompt's system turn needs the chat template
         from transformers import AutoTokenizer
@@ -51,6 +51,16 @@ def cmd_check(args) -> int:
     plan = BatchPlan.from_config(cfg)
     print(f"{args.job}: valid; model, data and {len(cfg.rewards)} reward function(s) found on this machine; "
           f"{plan.unique_prompts} prompts × {plan.num_generations} completions per generation cycle")
+    for why in this_machine_errors(cfg):  # valid for a cluster that has what this machine lacks
+        print(f"on this machine `tandem run` would refuse it: {why}")
+    if (then := earlier_run(cfg)) is not None:
+        used, out = run_dir_in_use(cfg), cfg.logging.output_dir
+        print({"resume": f"{out} holds an earlier run ({used}): `tandem run` resumes it (checkpoint.resume: true)",
+               "overwrite": f"{out} holds an earlier run ({used}): `tandem run` starts over there "
+                            "(logging.overwrite_output_dir: true)",
+               "refuse": f"{out} holds an earlier run ({used}): `tandem run` would refuse it as it is; set "
+                         "checkpoint.resume: true to continue it, logging.overwrite_output_dir: true to start over, "
+                         "or another logging.output_dir"}[then])
     return 0
 
 

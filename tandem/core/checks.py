@@ -175,6 +175,20 @@ def device_error(cfg: JobConfig) -> str | None:
     return "model.dtype = 'float16': needs CUDA (DeepSpeed refuses fp16 on CPU); use 'bfloat16' or 'float32'"
 
 
+def this_machine_errors(cfg: JobConfig) -> list[str]:
+    """Why `tandem run` on this machine (an embedded Ray of one node) would refuse the job, where a cluster might not:
+    a dtype this machine cannot train in, a role's resources it does not have."""
+    import os
+
+    gpus = 0
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    node = {"Alive": True, "Resources": {"CPU": float(os.cpu_count() or 1), "GPU": float(gpus)}}
+    return [e for e in [device_error(cfg), *resource_errors(cfg, [node])] if e]
+
+
 def resource_errors(cfg: JobConfig, nodes: list[dict]) -> list[str]:
     """Each role's per-actor request against the nodes Ray lists (`ray.nodes()`: "Alive", "Resources"):
     one that no live node could ever hold, named with what the nodes have. Without this the actor waits
@@ -266,20 +280,27 @@ def run_dir_error(cfg: JobConfig) -> str | None:
         return (f"model.path = {cfg.model.path!r}: is <output_dir>/model, where a full fine-tuning run writes its "
                 "trained model (it would replace the model it starts from); allowed: the model elsewhere, or another "
                 "logging.output_dir")
-    used = run_dir_in_use(cfg)
-    if used and not (cfg.checkpoint.resume or cfg.logging.overwrite_output_dir):
-        return (f"logging.output_dir = {str(out)!r}: holds an earlier run ({used}); allowed: "
+    if earlier_run(cfg) == "refuse":
+        return (f"logging.output_dir = {str(out)!r}: holds an earlier run ({run_dir_in_use(cfg)}); allowed: "
                 "checkpoint.resume: true to continue it, logging.overwrite_output_dir: true to start over there, "
                 "or another directory")
     return None
 
 
-def check_inputs(cfg: JobConfig, given: set[str] = frozenset()) -> None:
-    """Model, data and reward functions as this machine sees them, and a run directory of its own. given: the
-    sections ("data", "eval") whose rows came from Python instead of a path."""
+def earlier_run(cfg: JobConfig) -> str | None:
+    """What `tandem run` does with an earlier run in output_dir: "resume", "overwrite", "refuse"; None: there is none."""
+    if not run_dir_in_use(cfg):
+        return None
+    return "resume" if cfg.checkpoint.resume else "overwrite" if cfg.logging.overwrite_output_dir else "refuse"
+
+
+def check_inputs(cfg: JobConfig, given: set[str] = frozenset(), *, run_dir: bool = True) -> None:
+    """Model, data and reward functions as this machine sees them, and (run_dir) a run directory of its own. given:
+    the sections ("data", "eval") whose rows came from Python instead of a path."""
     data = [data_error(cfg, f"{sec}.path") for sec in ("data", "eval") if sec not in given]
     raise_if([model_error(cfg), length_error(cfg), *data, *reward_errors(cfg), map_error(cfg),
-              *tool_errors(cfg), *environment_errors(cfg), *tracker_errors(cfg), run_dir_error(cfg)])
+              *tool_errors(cfg), *environment_errors(cfg), *tracker_errors(cfg),
+              run_dir_error(cfg) if run_dir else unwritable(cfg.logging.output_dir)])
 
 
 def check_learner_device(cfg: JobConfig) -> None:

@@ -422,3 +422,37 @@ def test_a_bad_target_module_is_the_same_named_refusal_from_the_transformers_eng
                                              r"not found.*allowed: names of .*'q_proj'"):
         HFEngine(tiny_model, lora=lora)
     assert pickle.loads(pickle.dumps(JobConfigError("x"))).args == ("x",)
+
+
+def test_tandem_check_calls_a_job_with_an_earlier_run_valid_and_says_what_run_would_do(job_files, tmp_path, capsys):
+    """After a run (as right after `make demo`), `tandem check` says valid and what `tandem run` would do with the
+    run in output_dir, as run itself decides it (before: "invalid")."""
+    from tandem.services.app.cli import main
+
+    out = tmp_path / "run"
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({**job_files, "logging": {"output_dir": str(out)}}))
+    assert main(["check", str(job)]) == 0 and "earlier run" not in capsys.readouterr().out
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    for sets, said in (([], "`tandem run` would refuse it as it is; set checkpoint.resume: true"),
+                       (["checkpoint.resume=true"], "`tandem run` resumes it"),
+                       (["logging.overwrite_output_dir=true"], "`tandem run` starts over there")):
+        assert main(["check", str(job), *(x for s in sets for x in ("--set", s))]) == 0
+        printed = capsys.readouterr().out
+        assert f"{job}: valid;" in printed and f"{out} holds an earlier run ({out / 'metrics.jsonl'}): {said}" in \
+            printed, printed
+
+
+def test_tandem_check_says_what_this_machine_lacks_that_run_here_would_refuse(job_files, tmp_path, capsys):
+    """float16 on a CPU, a GPU no node here has: valid for a cluster (check validates from a laptop), and the line
+    run here would give is said beside it."""
+    from tandem.services.app.cli import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({**job_files, "model": {**job_files["model"], "dtype": "float16"},
+                                   "cluster": {"rollout_resources": {"num_gpus": 1}}}))
+    assert main(["check", str(job)]) == 0
+    printed = capsys.readouterr().out
+    assert "valid;" in printed and "on this machine `tandem run` would refuse it: model.dtype = 'float16': needs CUDA" \
+        in printed and "on this machine `tandem run` would refuse it: cluster.rollout_resources = " in printed, printed
