@@ -96,6 +96,12 @@ def cmd_submit(args) -> int:
     from tandem.services.app.upload import plan_job_upload, plan_upload
 
     cfg = JobConfig.from_yaml(args.job, args.set)  # the schema only: the files and CUDA are the cluster's
+    for field, d in (("logging.output_dir", cfg.logging.output_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        if d is not None and not os.path.isabs(d):
+            raise JobConfigError(f"{field} = {d!r}: relative; under `tandem submit` the run would write into Ray's "
+                                 "temporary copy of the uploaded directory on the head, which Ray deletes when the "
+                                 "cluster stops; allowed: an absolute path on the head (or a filesystem every node "
+                                 "mounts)")
     upload, job = None, args.job
     if args.working_dir:  # the whole directory, spelled out: scanned, credentials held back
         upload = plan_upload(args.working_dir, args.allow)

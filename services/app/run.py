@@ -110,7 +110,13 @@ def start_controller(ray, cfg, resource_wait_s: float = 0.0, out=None, datasets:
     if not name_is_free(ray, name):
         raise JobConfigError(f"logging.output_dir = {cfg.logging.output_dir!r}: a job writing there is already "
                              "running on this Ray cluster; allowed: a run directory no running job uses")
-    ctl = ray.remote(num_cpus=0, max_concurrency=2)(Controller).options(name=name, namespace=NAMESPACE).remote(cfg, datasets)
+    # on this driver's node (the head, under `tandem submit`), never on a rollout node that may be lost: the
+    # controller owns every group's object and the job's state
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    ctl = ray.remote(num_cpus=0, max_concurrency=2)(Controller).options(
+        name=name, namespace=NAMESPACE, scheduling_strategy=here).remote(cfg, datasets)
     try:  # waited for: a threaded actor does not keep its calls in order
         wait_reporting(ray, cfg, ctl.setup.remote(resource_wait_s, own_process=True), resource_wait_s, out)
     except Exception:

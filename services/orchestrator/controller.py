@@ -53,6 +53,18 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def lost_object(e: BaseException) -> bool:
+    """Whether a Ray error is (or was caused by) an object lost with its node."""
+    import ray
+
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError)):
+            return True
+        e, seen = getattr(e, "cause", None) or e.__cause__, seen + 1
+    return False
+
+
 def one_at_a_time(method):
     """The Controller actor runs two threads (so `scale` and `status` are answered during a cycle):
     the methods that drive the job never run concurrently."""
@@ -223,7 +235,8 @@ class Controller:
             self.learner = LearnerGroup(cfg, total_steps=self.progress.total_steps, probe=probe, wait=False, **host)
             start = worker_starter(cfg, host=self.learner.actors[0] if colocate else None)
             self.pool = RolloutPool(start, prompts_in_flight(cfg), self.counters,
-                                    max_worker_restarts=cfg.cluster.max_worker_restarts, say=say)
+                                    max_worker_restarts=cfg.cluster.max_worker_restarts, say=say,
+                                    request=f"cluster.rollout_resources = {cfg.cluster.rollout_resources.model_dump()}")
             self.pool.start(cfg.cluster.num_rollout_workers)
             self.learner.ready()
         finally:
@@ -266,7 +279,7 @@ class Controller:
         with stage("collect"):
             batch, sampled = self._collect()
         with stage("train"):
-            result = self._train(batch)
+            result, batch = self._train(batch)
         with stage("publish"):
             sent = self._send()
             self._feed_ahead()
@@ -302,8 +315,39 @@ class Controller:
         sampled = {"dynamic_sampling/prompts_sampled": self.buffer.sampled, "dynamic_sampling/filled": filled}
         return self.buffer.take(U), sampled
 
-    def _train(self, batch: list) -> dict:
-        """The learner trains on the batch; with max_staleness >= 1 the workers keep sampling meanwhile."""
+    def _train(self, batch: list) -> tuple[dict, list]:
+        """The learner trains on the batch; with max_staleness >= 1 the workers keep sampling meanwhile. Groups whose
+        objects were lost with a node (the learner could not fetch them: nothing trained) are handed out again and
+        the batch filled anew. -> (the learner's result, the batch it trained on)."""
+        while True:
+            try:
+                return self._train_once(batch), batch
+            except self.pool.ray.exceptions.RayError as e:
+                if not lost_object(e):
+                    raise
+                batch = self._without_lost(batch)
+
+    def _without_lost(self, batch: list) -> list:
+        """The batch less its groups whose objects are gone (their prompts to the front of the queue), the rest back
+        in the buffer's front, then collected up to a batch again."""
+        ray, kept, lost = self.pool.ray, [], []
+        for m, ref in batch:
+            try:
+                ray.get(ref, timeout=30)
+                kept.append((m, ref))
+            except ray.exceptions.RayError as e:
+                if not lost_object(e):
+                    raise
+                lost.append(m)
+        for m in lost:
+            self.source.requeue(m["index"], m["epoch"], front=True)
+        self.counters["groups_lost"] += len(lost)
+        say(f"tandem: {len(lost)} scored group(s) lost with their node (dataset rows {sorted(m['index'] for m in lost)})"
+            f": sampled again; nothing was trained on them")
+        self.buffer.groups[:0] = kept
+        return self._collect()[0]
+
+    def _train_once(self, batch: list) -> dict:
         ray, k = self.pool.ray, self.cfg.cluster.max_staleness
         refs = self.learner.train_async([g for _, g in batch])
         while True:

@@ -16,6 +16,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 
+WAIT_NOTE_S = 10.0  # how often a worker that does not serve yet is said (the README promises a line every 10 s)
+
+
 @dataclass
 class Slot:
     actor: object
@@ -23,18 +26,21 @@ class Slot:
     in_flight: dict = field(default_factory=dict)  # meta ref -> (item, group ref)
     handed: int = 0  # prompts handed out so far (dispatch ties go to the least used)
     alone: bool = False  # runs a suspect: no other prompt until it comes back
+    since: float = field(default_factory=time.time)  # when this worker was asked for
     deaths: int = 0  # workers of this slot that died since a group last came back from it
 
 
 class RolloutPool:
     def __init__(self, start_worker, per_worker: int, counters: Counter, *, max_worker_restarts: int = 8,
-                 say=print):
-        """start_worker(slot) -> (actor, ref that resolves once it serves); per_worker: prompts in flight."""
+                 say=print, request: str = "its resources"):
+        """start_worker(slot) -> (actor, ref that resolves once it serves); per_worker: prompts in flight; request:
+        what a worker asks Ray for, in words (said while a replacement waits for it)."""
         import ray
 
         self.ray = ray
         self._start, self.per_worker, self.counters = start_worker, per_worker, counters
-        self.max_worker_restarts, self.say = max_worker_restarts, say
+        self.max_worker_restarts, self.say, self.request = max_worker_restarts, say, request
+        self._noted = 0.0  # when a wait for a worker was last said
         self.suspects: set[tuple[int, int]] = set()  # (dataset index, epoch) of prompts lost with a worker
         self.parked: list = []  # suspects taken from the queue, waiting for an idle worker
         self.slots: list[Slot] = []
@@ -118,10 +124,25 @@ class RolloutPool:
         self.say(f"tandem: {what}; replaced ({deaths} in a row)")
         new = self._new(i)
         new.handed, new.deaths = old.handed, deaths
-        self.ray.get(new.ready)
-        new.ready = None
-        self.slots[i] = new
+        self.slots[i] = new  # serves once started (_mark_ready): the others go on meanwhile, not waiting for it
         return lost
+
+    def _note_waits(self) -> None:
+        """Every WAIT_NOTE_S while a worker has not served for that long: one line saying what it waits for."""
+        every = WAIT_NOTE_S
+        late = self.starting(every)
+        if late and time.time() - self._noted >= every:
+            self._noted = time.time()
+            waited = time.time() - min(self.slots[i].since for i in late)
+            self.say(f"tandem: rollout worker(s) {late} not serving after {waited:.0f} s, waiting for {self.request} "
+                     f"on a live node (`ray status` lists the demand); the job goes on with "
+                     f"{len(self.serving())} worker(s)")
+
+    def starting(self, longer_than: float) -> list[int]:
+        """The slots whose worker was asked for more than `longer_than` s ago and does not serve yet (a lost node's
+        replacement waiting for resources no live node has free)."""
+        now = time.time()
+        return [i for i, s in enumerate(self.slots) if s.ready is not None and now - s.since > longer_than]
 
     def shutdown(self) -> None:
         for s in self.slots:
@@ -162,8 +183,13 @@ class RolloutPool:
     def poll(self, timeout: float | None) -> tuple[list, list]:
         """Groups that came back within `timeout` (at least one unless it ran out):
         -> ([(item, meta, group ref)], [items lost with a dead worker])."""
+        self._note_waits()
         refs = [r for s in self.slots for r in s.in_flight]
         if not refs:
+            starting = [s.ready for s in self.slots if s.ready is not None]
+            if starting and timeout:  # nothing to take back: wait for a worker to serve instead of spinning
+                self.ray.wait(starting, num_returns=1, timeout=timeout)
+            self._mark_ready()
             return [], []
         done, _ = self.ray.wait(refs, num_returns=1, timeout=timeout)
         more, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)  # and whatever else is ready

@@ -12,6 +12,7 @@ from tandem.rollout.engines.hf_engine import HFEngine
 from tandem.rollout.prompts import tokenize_prompt
 from tandem.rollout.worker import start_rollout_worker
 from tests.helpers import ROOT, make_job
+from tests.helpers.publish import TOL, worst_gaps_after_publishes
 
 pytestmark = pytest.mark.integration
 REWARD = f"{ROOT}/examples/rewards.py:length_reward"
@@ -299,3 +300,10 @@ def test_seed_per_prompt_samples_a_prompt_the_same_whatever_shares_the_engine(ra
     assert alone.tokens.tolist() == crowded.tokens.tolist()
     other = ray_session.get(worker.generate.remote([dataclasses.replace(b, group_id=999)], free))[0]
     assert other.tokens.tolist() != alone.tokens.tolist()
+
+
+def test_the_lora_engine_samples_as_the_learner_computes_after_every_publish(ray_session, worker, job):
+    """vLLM serving the adapter as a LoRA (a GPU's default): tests/helpers/publish.py's 20 publishes, half unchanged
+    (last in this module: the versions it serves are past every other test's)."""
+    worst = worst_gaps_after_publishes(ray_session, worker, job, first_version=201)
+    assert max(worst) <= TOL, f"sampler - learner |log-prob| per publish: {['%.1e' % w for w in worst]}"

@@ -456,3 +456,21 @@ def test_tandem_check_says_what_this_machine_lacks_that_run_here_would_refuse(jo
     printed = capsys.readouterr().out
     assert "valid;" in printed and "on this machine `tandem run` would refuse it: model.dtype = 'float16': needs CUDA" \
         in printed and "on this machine `tandem run` would refuse it: cluster.rollout_resources = " in printed, printed
+
+
+def test_submit_refuses_a_relative_run_directory_before_the_cluster(job_files, tmp_path, monkeypatch, capsys):
+    """Under `tandem submit` a relative output_dir (or checkpoint.dir) is Ray's temporary copy of the working directory
+    on the head: the metrics, checkpoints and adapter would go when the cluster stops. Refused in one line, before
+    anything is sent (the address is a closed port)."""
+    from tandem.services.app.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    for sets, field in ((["logging.output_dir=run"], "logging.output_dir = 'run'"),
+                        ([f"logging.output_dir={tmp_path / 'out'}", "checkpoint.dir=ck"], "checkpoint.dir = 'ck'")):
+        (tmp_path / "job.yaml").write_text(yaml.safe_dump(job_files))
+        rc = main(["submit", "job.yaml", "--dry-run", "--address", "http://127.0.0.1:9",
+                   *(x for s in sets for x in ("--set", s))])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.startswith(f"tandem: {field}: relative; under `tandem submit`"), err
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({**job_files, "logging": {"output_dir": str(tmp_path / "o")}}))
+    assert main(["submit", "job.yaml", "--dry-run", "--address", "http://127.0.0.1:9"]) == 0
