@@ -15,7 +15,6 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-
 WAIT_NOTE_S = 10.0  # how often a worker that does not serve yet is said (the README promises a line every 10 s)
 
 
