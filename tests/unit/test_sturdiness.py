@@ -214,7 +214,8 @@ def test_submit_of_a_whole_directory_holds_back_every_credential_by_name_or_cont
                           "rewards.py": "def r(completions, **kw):\n    return [1.0] * len(completions)\n",
                           "weights.bin": bytes(range(256)) * 4})
     (tmp_path / "job.yaml").write_text(yaml.safe_dump({"model": {"path": "m"}, "data": {"path": "data.jsonl"},
-                                                      "rewards": ["rewards.py:r"]}))
+                                                      "rewards": ["rewards.py:r"],
+                                                      "logging": {"output_dir": "/srv/runs/a"}}))
     rc = main(["submit", str(tmp_path / "job.yaml"), "--working-dir", str(tmp_path), "--dry-run",
                "--address", "http://127.0.0.1:9"])
     out = capsys.readouterr().out
@@ -273,7 +274,8 @@ def test_submit_by_default_sends_what_the_job_names_and_the_modules_they_import(
                           "README.txt": "read me\n"})
     (tmp_path / "job.yaml").write_text(yaml.safe_dump({
         "model": {"path": "Qwen/Qwen2.5-0.5B-Instruct"}, "data": {"path": "data/train.jsonl"},
-        "eval": {"path": "data/eval.jsonl"}, "rewards": ["task/rewards.py:r", "/elsewhere/r.py:f"]}))
+        "eval": {"path": "data/eval.jsonl"}, "rewards": ["task/rewards.py:r", "/elsewhere/r.py:f"],
+        "logging": {"output_dir": "/srv/runs/a"}}))
     monkeypatch.chdir(tmp_path)
     rc = main(["submit", "job.yaml", "--include", "README.txt", "--dry-run", "--address", "http://127.0.0.1:9"])
     out = capsys.readouterr().out
