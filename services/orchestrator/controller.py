@@ -41,7 +41,7 @@ from tandem.services.orchestrator.evaluator import Evaluator
 from tandem.services.orchestrator.failures import FailureLog
 from tandem.services.orchestrator.group_buffer import GroupBuffer
 from tandem.services.orchestrator.prompt_source import PromptSource, PromptTable
-from tandem.services.orchestrator.rollout_pool import RolloutPool
+from tandem.services.orchestrator.rollout_pool import RolloutPool, lost_object
 from tandem.services.orchestrator.run_log import EXPORTED, RunLog, rollout_rates, series_name  # noqa: F401 - deploy/ reads EXPORTED
 from tandem.services.orchestrator.trackers import Trackers
 
@@ -51,18 +51,6 @@ def say(line: str) -> None:
     import sys
 
     print(line, file=sys.stderr, flush=True)
-
-
-def lost_object(e: BaseException) -> bool:
-    """Whether a Ray error is (or was caused by) an object lost with its node."""
-    import ray
-
-    seen = 0
-    while e is not None and seen < 8:
-        if isinstance(e, (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError)):
-            return True
-        e, seen = getattr(e, "cause", None) or e.__cause__, seen + 1
-    return False
 
 
 def one_at_a_time(method):

@@ -93,6 +93,8 @@ class RolloutPool:
                     self.ray.get(s.ready)
                     s.ready = None
                 except self.ray.exceptions.RayError as e:
+                    if lost_object(e):  # the adapter it was to load is gone with the learner that made it: the
+                        raise  # learner's death, which restarts the job, not this worker's
                     self.counters["worker_failures"] += 1
                     self._replace(i, e)
 
@@ -256,6 +258,18 @@ class RolloutPool:
             except Exception:  # noqa: BLE001 - a worker dying now is handled by poll
                 pass
         return out
+
+
+def lost_object(e: BaseException) -> bool:
+    """Whether a Ray error is (or was caused by) an object lost with its node or its owner."""
+    import ray
+
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError)):
+            return True
+        e, seen = getattr(e, "cause", None) or e.__cause__, seen + 1
+    return False
 
 
 def first_line(e: BaseException) -> str:
