@@ -29,7 +29,7 @@ from tandem.core.config import JobConfigError
 from tandem.rollout.engine_loop import Release, Request, Sample
 from tandem.rollout.engines.base import Completion, Sampling
 from tandem.rollout.rewards import RewardError, reward_value
-from tandem.rollout.tools import TOOL_CALL_PARSERS, ToolResult, call_tools
+from tandem.rollout.tools import SYNC_THREADS, TOOL_CALL_PARSERS, ToolResult, call_tools
 
 ENDINGS = ("answer", "iterations", "budget")  # why an episode ended: a turn without a call, the limit, the budget
 
@@ -69,14 +69,17 @@ class Episode:
         self.turns += 1
         self.eos = bool(c.eos)
 
-    def add_tools(self, suffix: list[int], messages: list[dict], results: list[ToolResult], failures: int) -> None:
+    def count_tools(self, messages: list[dict], results: list[ToolResult], failures: int) -> None:
+        """A round of calls counted, whatever becomes of their replies (a reply past the budget is rolled back)."""
+        self.tool_calls += len(messages)
+        self.tool_failures += failures
+        self.tool_s += sum(r.seconds for r in results)
+
+    def add_tools(self, suffix: list[int], messages: list[dict]) -> None:
         self.ids += suffix
         self.mask += [False] * len(suffix)
         self.logprobs += [0.0] * len(suffix)
         self.messages += messages
-        self.tool_calls += len(messages)
-        self.tool_failures += failures
-        self.tool_s += sum(r.seconds for r in results)
 
     def after(self, lead: list[int]) -> None:
         """Context before the episode's first turn (its own prompt's ids past the group's): not the model's."""
@@ -213,14 +216,18 @@ class EpisodeRunner:
                 ep.ended = "iterations"
                 return ep
             results = await call_tools(parsed.calls, tools, lim.tool_timeout_s)
-            messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+            room = lim.budget - len(ep.ids)  # tokens left: a reply longer than that many characters cannot fit
+            messages = [{"role": "tool", "name": r.name, "content": capped(r.content, room * CHARS_PER_TOKEN)}
+                        for r in results]
             messages += [{"role": "tool", "name": "invalid_tool_call", "content": json.dumps({"error": e})}
                          for e in parsed.errors]
-            suffix = self.template.suffix_ids(messages)
+            ep.count_tools(messages, results, sum(r.failed for r in results) + len(parsed.errors))
+            # rendered in a thread: the tokenizer's time on a long reply is not every other episode's wait
+            suffix = await asyncio.to_thread(self.template.suffix_ids, messages)
             if len(ep.ids) + len(suffix) >= lim.budget:  # no room for the results and a next turn: rolled back (TRL)
                 ep.ended = "budget"
                 return ep
-            ep.add_tools(suffix, messages, results, sum(r.failed for r in results) + len(parsed.errors))
+            ep.add_tools(suffix, messages)
             rounds += 1
             turn = await self._next_turn(prompt + ep.ids, dataclasses.replace(
                 sampling, n=1, max_tokens=min(sampling.max_tokens, lim.budget) - len(ep.ids)), version)
@@ -234,14 +241,26 @@ class EpisodeRunner:
         return req.result[0]
 
 
+CHARS_PER_TOKEN = 16  # a cap in characters safely above any tokenizer's: what is cut could never have fit
+
+
+def capped(content: str, limit: int) -> str:
+    """A tool's reply cut to `limit` characters, the cut said to the model (TRL rolls a reply past the budget back
+    whole; tokenising megabytes first would stall every episode of the worker)."""
+    if len(content) <= limit:
+        return content
+    return content[:limit] + f"... [cut: the reply is {len(content):,} characters, the first {limit:,} shown]"
+
+
 class EventLoopThread:
     """The worker's one event loop for episodes, every group's, in a thread of its own: `run(coroutine)` from any
     call thread waits for its result. Sync tools run in the loop's thread pool, `tool_threads` at once (asyncio's
     default, min(32, cores + 4), would queue a cycle's calls on a small machine)."""
 
-    def __init__(self, tool_threads: int = 64):
+    def __init__(self, tool_threads: int = SYNC_THREADS.n):
         self.loop = asyncio.new_event_loop()
-        self.loop.set_default_executor(ThreadPoolExecutor(tool_threads, thread_name_prefix="tool"))
+        # SYNC_THREADS counts the sync calls running on these threads: a call that would only queue fails, named
+        self.loop.set_default_executor(ThreadPoolExecutor(tool_threads + 4, thread_name_prefix="tool"))
         self._thread = threading.Thread(target=self.loop.run_forever, name="episodes", daemon=True)
         self._thread.start()
 

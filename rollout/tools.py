@@ -13,6 +13,7 @@ import asyncio
 import inspect
 import json
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -77,6 +78,32 @@ class ToolResult:
     seconds: float
 
 
+class SyncToolThreads:
+    """The threads sync tools run on (the episode loop's pool, tandem.rollout.episodes.EventLoopThread): a call past
+    its time limit is abandoned but its thread runs on, so the calls still running are counted, and a call that would
+    only queue behind them fails at once, saying so, instead of timing out in the queue."""
+
+    def __init__(self, n: int = 64):
+        self.n, self.running, self._lock = n, 0, threading.Lock()
+
+    def take(self) -> bool:
+        with self._lock:
+            if self.running >= self.n:
+                return False
+            self.running += 1
+            return True
+
+    def run(self, fn: Callable, kwargs: dict):
+        try:
+            return fn(**kwargs)
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+SYNC_THREADS = SyncToolThreads()
+
+
 async def call_tools(calls: list[ToolCall], tools: dict[str, Callable], timeout_s: float | None) -> list[ToolResult]:
     """Every call of one turn at once (a sync tool in a thread, a coroutine awaited), each within timeout_s;
     -> one result per call, in the calls' order. A sync tool past its limit is abandoned, not stopped: its
@@ -94,7 +121,14 @@ async def _call(call: ToolCall, tools: dict[str, Callable], timeout_s: float | N
         inspect.signature(fn).bind(**call.arguments)
     except TypeError as e:
         return ToolResult(call.name, _error(f"{call.name}: {e}"), True, 0.0)
-    work = fn(**call.arguments) if inspect.iscoroutinefunction(fn) else asyncio.to_thread(fn, **call.arguments)
+    if inspect.iscoroutinefunction(fn):
+        work = fn(**call.arguments)
+    elif SYNC_THREADS.take():
+        work = asyncio.to_thread(SYNC_THREADS.run, fn, call.arguments)
+    else:
+        return ToolResult(call.name, _error(
+            f"{call.name}: not run: all {SYNC_THREADS.n} tool threads of this worker still run earlier calls (a sync "
+            "tool past its time limit runs on; make a tool that may hang async, or bound it itself)"), True, 0.0)
     try:
         value = await asyncio.wait_for(work, timeout_s)
     except asyncio.TimeoutError:

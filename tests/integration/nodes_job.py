@@ -30,7 +30,7 @@ def main(run_dir: str, model: str) -> None:
     tmp = Path(run_dir)
     cfg = make_job(tmp, model, [f"{ROOT}/examples/rewards.py:digits_reward"],
                    model={"fast_inference": False}, reward_timeout_s=None,
-                   batch={"per_device_train_batch_size": 8, "num_generations": 4, "max_steps": 6},
+                   batch={"per_device_train_batch_size": 8, "num_generations": 4, "max_steps": 4},
                    cluster={"num_rollout_workers": 2, "max_staleness": 1, "rollout_prompts_in_flight": 2,
                             "rollout_resources": {"num_cpus": 1, "resources": {"rollout": 1}},
                             "learner_resources": {"num_cpus": 1, "resources": {"learner": 1}}},

@@ -155,8 +155,6 @@ def test_each_refusal_is_one_true_line(ray_session, tmp_path, tiny_model, capsys
     assert err.startswith("tandem: model.lora.target_modules = ['foo_proj']: Target modules {'foo_proj'} not found"), err
     assert "allowed: names of" in err and "'q_proj'" in err
     assert not ray_session.util.list_named_actors(all_namespaces=True), "a refused job left an actor behind"
-    rc, _, err2 = run(capsys, job, "model.fast_inference=false")  # the transformers engine says the same
-    assert rc == 2 and err2.strip() == err.strip(), err2
 
     job = write_job(tmp_path, tiny_model)
     ro = "/sys/tandem-run"  # root writes anywhere but a read-only filesystem

@@ -337,3 +337,25 @@ def test_overwrite_keeps_the_jobs_model_and_full_fine_tuning_may_not_write_over_
     full = JobConfig.from_dict({**job, "model": {**job["model"], "lora": None}})
     assert "is <output_dir>/model, where a full fine-tuning run writes its trained model" in run_dir_error(full)
     assert run_dir_error(cfg) is None
+
+
+def test_calls_whose_replies_do_not_fit_are_counted_and_a_huge_reply_is_cut_before_it_is_rendered(tok):
+    """Calls that raised and whose error replies overflow the budget still count as calls and failures (before: 0 and
+    0); a 10 MB reply is cut to what could fit before the template renders it, so the episode ends at once (before:
+    every episode of the worker waited while the tokenizer read 10 MB), its call counted."""
+    def shout(n: int) -> str:
+        """A very long reply.
+
+        Args:
+            n: characters
+        """
+        return "A" * n
+
+    many = lambda text, i: "".join(call("broken", x="1") for _ in range(5)) if "tool" not in text else "done"  # noqa: E731
+    turn = len(tok(many("", 0))["input_ids"])
+    eps, *_ = episodes(tok, many, budget=turn + 20, n=1)  # the turn fits; its five error replies do not
+    assert eps[0].eos and eps[0].ended == "budget" and eps[0].tool_calls == 5 and eps[0].tool_failures == 5
+    t0 = time.time()
+    eps, *_ = episodes(tok, lambda text, i: call("shout", n=10_000_000) if "tool" not in text else "done", budget=120,
+                       n=1, tools={**TOOLS, "shout": shout})
+    assert time.time() - t0 < 5 and eps[0].ended == "budget" and eps[0].tool_calls == 1 and eps[0].tool_s < 5

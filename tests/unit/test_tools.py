@@ -98,3 +98,66 @@ def test_the_schema_comes_from_hints_and_docstring():
     schema = tool_schemas([add])[0]
     assert schema["function"]["name"] == "add" and schema["function"]["description"] == "Add two numbers."
     assert schema["function"]["parameters"]["properties"]["a"] == {"type": "integer", "description": "the first"}
+
+
+def test_sync_calls_past_their_limit_are_counted_and_a_call_that_would_only_queue_fails_named():
+    """A hung sync tool's thread runs on after its time limit: with every thread taken by such calls, the next sync
+    call fails at once saying why (before: it queued and timed out as "no result within 1 s"), an async one still
+    runs, and once the hung calls end the threads serve again."""
+    from tandem.rollout import tools as tools_module
+
+    release = threading.Event()
+
+    def hang(x: int) -> int:
+        """Waits.
+
+        Args:
+            x: ignored
+        """
+        release.wait(30)
+        return x
+
+    async def quick(x: int) -> int:
+        """Returns x.
+
+        Args:
+            x: the value
+        """
+        return x
+
+    from tandem.rollout.episodes import EventLoopThread
+
+    saved = tools_module.SYNC_THREADS
+    tools_module.SYNC_THREADS = tools_module.SyncToolThreads(2)
+    loop = EventLoopThread()  # the worker's loop: it outlives each call, as the abandoned threads do
+    try:
+        hung = loop.run(call_tools([ToolCall("hang", {"x": 1}), ToolCall("hang", {"x": 2})], {"hang": hang}, 0.2))
+        assert all(r.failed and "no result within 0.2 s" in r.content for r in hung)
+        assert tools_module.SYNC_THREADS.running == 2  # abandoned, still running
+        t0 = time.time()
+        out = loop.run(call_tools([ToolCall("add", {"a": 1, "b": 2}), ToolCall("quick", {"x": 7})],
+                                  {"add": add, "quick": quick}, 5.0))
+        assert time.time() - t0 < 1.0
+        assert out[0].failed and "add: not run: all 2 tool threads of this worker still run earlier calls" in \
+            json.loads(out[0].content)["error"]
+        assert not out[1].failed and out[1].content == "7"
+        release.set()
+        for _ in range(100):
+            if tools_module.SYNC_THREADS.running == 0:
+                break
+            time.sleep(0.05)
+        again = loop.run(call_tools([ToolCall("add", {"a": 1, "b": 2})], {"add": add}, 5.0))
+        assert not again[0].failed and again[0].content == "3"
+    finally:
+        release.set()
+        tools_module.SYNC_THREADS = saved
+        loop.close()
+
+
+def test_a_long_reply_is_cut_to_what_could_fit_and_the_cut_is_said():
+    from tandem.rollout.episodes import capped
+
+    assert capped("short", 100) == "short"
+    cut = capped("x" * 10_000_000, 4096)
+    assert cut.startswith("x" * 4096) and cut.endswith("[cut: the reply is 10,000,000 characters, the first 4,096 "
+                                                      "shown]") and len(cut) < 4200
