@@ -33,11 +33,19 @@ def cmd_plan(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from tandem.core.checks import check_inputs, earlier_run, run_dir_in_use, this_machine_errors
+    from tandem.core.checks import (
+        check_inputs,
+        earlier_run,
+        lora_target_error,
+        raise_if,
+        run_dir_in_use,
+        this_machine_errors,
+    )
     from tandem.services.orchestrator.data import check_rows, read_dataset, shaped
 
     cfg = JobConfig.from_yaml(args.job, args.set)
     check_inputs(cfg, run_dir=False)  # an earlier run in output_dir is said below, not called invalid
+    raise_if([lora_target_error(cfg)])  # what the learner and the engines would refuse once started
     tok = None
     if cfg.data.system_prompt is not None:  # a string prompt's system turn needs the chat template
         from transformers import AutoTokenizer

@@ -140,6 +140,14 @@ def load_environment(spec: str) -> tuple[type, list[str]]:
     env_cls = load_function(spec)
     if not callable(getattr(env_cls, "reset", None)):
         raise ValueError(f"environment = {spec}: needs a reset(**row) method (TRL's environment_factory shape)")
+    try:
+        inspect.signature(env_cls).bind()
+    except TypeError as e:
+        raise ValueError(f"environment = {spec}: its constructor cannot be called without arguments ({e}); Tandem "
+                         "makes one instance per episode with none, as TRL's environment_factory does; allowed: "
+                         "defaults for every argument, the row's values read in reset(**row)") from None
+    except ValueError:  # a signature inspect cannot read (a builtin base): made as it is
+        pass
     names = sorted(n for n, _ in inspect.getmembers(env_cls, inspect.isfunction)
                    if n not in ("reset", "get_reward") and not n.startswith("_"))
     for name in names:
@@ -161,6 +169,29 @@ def environment_errors(cfg: JobConfig) -> list[str]:
     tools = {load_function(t).__name__ for t in cfg.tools or []}
     return [f"environment = {cfg.environment!r}: its method {n!r} has the name of a function in tools; the model "
             "calls tools by name, so each needs its own" for n in names if n in tools]
+
+
+def lora_target_error(cfg: JobConfig) -> str | None:
+    """model.lora.target_modules against the model's module names, read from its config on the meta device (no
+    weights loaded): the refusal the learner and the engines would give once started (tandem.core.adapter.with_lora).
+    Imports torch and transformers: `tandem check`'s, not the controller's."""
+    lora = cfg.model.lora
+    if lora is None or model_error(cfg) is not None:
+        return None
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.local_dir()))
+    except Exception:  # noqa: BLE001 - a model transformers cannot build here is refused where it is loaded
+        return None
+    leaves = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    if lora.target_modules == ["all-linear"] or set(lora.target_modules) & leaves:
+        return None
+    linear = sorted({n.rsplit(".", 1)[-1] for n, x in model.named_modules() if isinstance(x, torch.nn.Linear)})
+    return (f"model.lora.target_modules = {list(lora.target_modules)}: none of them is a module of {cfg.model.path}; "
+            f"allowed: names of its linear layers, e.g. {linear}")
 
 
 def device_error(cfg: JobConfig) -> str | None:

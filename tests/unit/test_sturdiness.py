@@ -476,3 +476,30 @@ def test_submit_refuses_a_relative_run_directory_before_the_cluster(job_files, t
         assert rc == 2 and err.startswith(f"tandem: {field}: relative; under `tandem submit`"), err
     (tmp_path / "job.yaml").write_text(yaml.safe_dump({**job_files, "logging": {"output_dir": str(tmp_path / "o")}}))
     assert main(["submit", "job.yaml", "--dry-run", "--address", "http://127.0.0.1:9"]) == 0
+
+
+def test_tandem_check_refuses_what_run_would_refuse_once_its_actors_started(job_files, tiny_model, tmp_path, capsys):
+    """A target module the model lacks (the learner's and the engines' refusal, read here from the config on the meta
+    device) and an environment whose constructor needs arguments (one instance per episode is made with none): both
+    refused by `tandem check` in one line (before: "valid")."""
+    from tandem.services.app.cli import main
+
+    env = tmp_path / "env.py"
+    env.write_text("class Needy:\n    def __init__(self, level):\n        self.level = level\n"
+                   "    def reset(self, **row):\n        return None\n")
+    job = tmp_path / "job.yaml"
+    base = {**job_files, "model": {"path": tiny_model, "dtype": "float32", "lora": {"r": 8, "lora_alpha": 16}}}
+    cases = {"lora": ({"model": {**base["model"], "lora": {"r": 8, "lora_alpha": 16, "target_modules": ["foo_proj"]}}},
+                      "model.lora.target_modules = ['foo_proj']: none of them is a module of"),
+             "env": ({"environment": f"{env}:Needy", "model": {**base["model"], "fast_inference": False}},
+                     f"environment = {env}:Needy: its constructor cannot be called without arguments (missing a "
+                     "required argument: 'level')")}
+    job.write_text(yaml.safe_dump(base))
+    assert main(["check", str(job)]) == 0
+    capsys.readouterr()
+    for name, (over, said) in cases.items():
+        job.write_text(yaml.safe_dump({**base, **over}))
+        assert main(["check", str(job)]) == 2, name
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and said in err, (name, err)
+        assert name != "lora" or "allowed: names of its linear layers, e.g. [" in err and "'q_proj'" in err, err
