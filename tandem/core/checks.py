@@ -172,26 +172,26 @@ def environment_errors(cfg: JobConfig) -> list[str]:
 
 
 def lora_target_error(cfg: JobConfig) -> str | None:
-    """model.lora.target_modules against the model's module names, read from its config on the meta device (no
-    weights loaded): the refusal the learner and the engines would give once started (tandem.core.adapter.with_lora).
+    """model.lora.target_modules against the model: the learner's and the engines' own refusal
+    (tandem.core.adapter.with_lora), on the model built from its config on the meta device (no weights read).
     Imports torch and transformers: `tandem check`'s, not the controller's."""
-    lora = cfg.model.lora
-    if lora is None or model_error(cfg) is not None:
+    if cfg.model.lora is None or model_error(cfg) is not None:
         return None
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tandem.core.adapter import with_lora
 
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.local_dir()))
     except Exception:  # noqa: BLE001 - a model transformers cannot build here is refused where it is loaded
         return None
-    leaves = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-    if lora.target_modules == ["all-linear"] or set(lora.target_modules) & leaves:
-        return None
-    linear = sorted({n.rsplit(".", 1)[-1] for n, x in model.named_modules() if isinstance(x, torch.nn.Linear)})
-    return (f"model.lora.target_modules = {list(lora.target_modules)}: none of them is a module of {cfg.model.path}; "
-            f"allowed: names of its linear layers, e.g. {linear}")
+    try:
+        with_lora(model, cfg.model.lora, cfg.model.path)
+    except JobConfigError as e:
+        return str(e)
+    return None
 
 
 def device_error(cfg: JobConfig) -> str | None:
@@ -284,20 +284,20 @@ def run_dir_in_use(cfg: JobConfig) -> str | None:
     return str(done[-1].parent) if done else None
 
 
-def unwritable(output_dir: str) -> str | None:
+def unwritable(output_dir: str, field: str = "logging.output_dir") -> str | None:
     """Why the run directory cannot be written or made (a read-only mount, no permission), or None. Tried with a
     temporary file in it, or in its nearest existing parent when it is still to be made: nothing is left behind."""
     import tempfile
 
     out = Path(output_dir).absolute()
     if out.exists() and not out.is_dir():
-        return f"logging.output_dir = {str(out)!r}: a file, not a directory"
+        return f"{field} = {str(out)!r}: a file, not a directory"
     here = next(p for p in (out, *out.parents) if p.exists())
     try:
         with tempfile.TemporaryFile(dir=here):
             pass
     except OSError as e:
-        return (f"logging.output_dir = {output_dir!r}: cannot write {'there' if here == out else f'in {str(here)!r}'} "
+        return (f"{field} = {output_dir!r}: cannot write {'there' if here == out else f'in {str(here)!r}'} "
                 f"({type(e).__name__}: {e.strerror or e}); allowed: a directory this user can create and write")
     return None
 

@@ -479,8 +479,8 @@ def test_submit_refuses_a_relative_run_directory_before_the_cluster(job_files, t
 
 
 def test_tandem_check_refuses_what_run_would_refuse_once_its_actors_started(job_files, tiny_model, tmp_path, capsys):
-    """A target module the model lacks (the learner's and the engines' refusal, read here from the config on the meta
-    device) and an environment whose constructor needs arguments (one instance per episode is made with none): both
+    """A target module the model lacks (the learner's and the engines' own refusal, on the model built from its config
+    on the meta device) and an environment whose constructor needs arguments (one instance per episode is made with none): both
     refused by `tandem check` in one line (before: "valid")."""
     from tandem.services.app.cli import main
 
@@ -490,7 +490,7 @@ def test_tandem_check_refuses_what_run_would_refuse_once_its_actors_started(job_
     job = tmp_path / "job.yaml"
     base = {**job_files, "model": {"path": tiny_model, "dtype": "float32", "lora": {"r": 8, "lora_alpha": 16}}}
     cases = {"lora": ({"model": {**base["model"], "lora": {"r": 8, "lora_alpha": 16, "target_modules": ["foo_proj"]}}},
-                      "model.lora.target_modules = ['foo_proj']: none of them is a module of"),
+                      "model.lora.target_modules = ['foo_proj']: Target modules {'foo_proj'} not found"),
              "env": ({"environment": f"{env}:Needy", "model": {**base["model"], "fast_inference": False}},
                      f"environment = {env}:Needy: its constructor cannot be called without arguments (missing a "
                      "required argument: 'level')")}
@@ -502,4 +502,4 @@ def test_tandem_check_refuses_what_run_would_refuse_once_its_actors_started(job_
         assert main(["check", str(job)]) == 2, name
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and said in err, (name, err)
-        assert name != "lora" or "allowed: names of its linear layers, e.g. [" in err and "'q_proj'" in err, err
+        assert name != "lora" or f"allowed: names of {tiny_model}'s linear layers, e.g. [" in err and "'q_proj'" in err, err
