@@ -288,8 +288,8 @@ def hold_run_dirs(cfg):
     if ck is not None and not Path(ck).absolute().is_relative_to(out):
         dirs.append(("checkpoint.dir", ck))
     for name, d in dirs:
-        if why := unwritable(d):
-            raise JobConfigError(why.replace("logging.output_dir", name, 1))
+        if why := unwritable(d, name):
+            raise JobConfigError(why)
     with contextlib.ExitStack() as held:
         for name, d in dirs:
             held.enter_context(hold_run_dir(d, name))
@@ -308,8 +308,8 @@ def hold_run_dir(output_dir: str, name: str = "logging.output_dir"):
     from tandem.core.checks import unwritable
     from tandem.core.config import JobConfigError
 
-    if why := unwritable(output_dir):
-        raise JobConfigError(why.replace("logging.output_dir", name, 1))
+    if why := unwritable(output_dir, name):
+        raise JobConfigError(why)
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     path = Path(output_dir) / LOCK_FILE
     while True:
