@@ -259,7 +259,8 @@ class EventLoopThread:
 
     def __init__(self, tool_threads: int = SYNC_THREADS.n):
         self.loop = asyncio.new_event_loop()
-        # SYNC_THREADS counts the sync calls running on these threads: a call that would only queue fails, named
+        # SYNC_THREADS lets at most tool_threads sync tool calls run here (a call that would only queue fails,
+        # named); the 4 more keep rendering tool turns (EpisodeRunner.episode) going while every tool thread hangs
         self.loop.set_default_executor(ThreadPoolExecutor(tool_threads + 4, thread_name_prefix="tool"))
         self._thread = threading.Thread(target=self.loop.run_forever, name="episodes", daemon=True)
         self._thread.start()

@@ -102,6 +102,8 @@ class AdapterMerge:
     sampler that drifts from the learner or a NaN."""
 
     def __init__(self, model_path: str, lora, device: str = "cpu", packed: dict | None = None):
+        """packed: the engine's packed layers (tandem_packed_modules; {} where it has none), PACKED_MODULES if not
+        given."""
         self.model_path, self.scale, self.base, self.device = Path(model_path), lora.lora_alpha / lora.r, None, device
         self.packed = PACKED_MODULES if packed is None else packed
 
@@ -117,8 +119,7 @@ class AdapterMerge:
             self.base = self._read(set(members), {f"{m}.weight" for m in adapted})
         dev = torch.device(self.device)
         for member in members:
-            for name in sorted(n for n in self.base if n.rpartition(".")[0] == member):
-                base = self.base[name]
+            for name, base in self.base.get(member, {}).items():
                 if member in adapted and name == f"{member}.weight":
                     a = tensors[f"{adapted[member]}.lora_A.weight"].to(dev, torch.float32)
                     b = tensors[f"{adapted[member]}.lora_B.weight"].to(dev, torch.float32)
@@ -128,7 +129,8 @@ class AdapterMerge:
                     yield name, base.to(dev, non_blocking=True)
 
     def _read(self, modules: set, needed: set) -> dict:
-        """Every tensor of these checkpoint modules (weight, bias, ...); `needed` must be among them."""
+        """Every tensor of these checkpoint modules (weight, bias, ...) by module: {module: {name: tensor}}; `needed`
+        (names) must be among them."""
         from safetensors import safe_open
 
         found = {}
@@ -140,7 +142,10 @@ class AdapterMerge:
         if missing := sorted(needed - set(found)):
             raise KeyError(f"AdapterMerge: {self.model_path}/*.safetensors lacks the base weights {missing[:3]} the "
                            f"adapter wraps ({len(missing)} missing); set cluster.vllm_merge_adapter: false")
-        return found
+        by_module: dict = {}
+        for name in sorted(found):
+            by_module.setdefault(name.rpartition(".")[0], {})[name] = found[name]
+        return by_module
 
 
 class VLLMEngine(Engine):
@@ -184,7 +189,7 @@ class VLLMEngine(Engine):
         self._merge = None
         if self.serves_one_version:
             packed = self.llm.collective_rpc("tandem_packed_modules")[0]
-            self._merge = AdapterMerge(model_path, lora, self._device, packed or None)
+            self._merge = AdapterMerge(model_path, lora, self._device, packed)
         # Every version's LoRARequest names this directory: its adapter_config.json is what vLLM reads from
         # disk (the weights come staged from memory: 15 ms of writing and the reading saved per publish).
         self._adapter_root = Path(adapter_dir or adapter_scratch_dir())

@@ -107,8 +107,8 @@ class RolloutPool:
         self.ray.kill(s.actor)
 
     def _replace(self, i: int, cause: BaseException) -> list:
-        """A dead worker's slot gets a new worker (waited for), said in one line; -> the items it held (suspects
-        from now on). RuntimeError past max_worker_restarts deaths in a row."""
+        """A dead worker's slot gets a new worker, not waited for (it serves once started), said in one line; -> the
+        items it held (suspects from now on). RuntimeError past max_worker_restarts deaths in a row."""
         old = self.slots[i]
         try:
             self.ray.kill(old.actor)
