@@ -29,7 +29,7 @@ from tandem.core.config import JobConfigError
 from tandem.rollout.engine_loop import Release, Request, Sample
 from tandem.rollout.engines.base import Completion, Sampling
 from tandem.rollout.rewards import RewardError, reward_value
-from tandem.rollout.tools import SYNC_THREADS, TOOL_CALL_PARSERS, ToolResult, call_tools
+from tandem.rollout.tools import SYNC_THREADS, TOOL_CALL_PARSERS, IsolatedTools, ToolResult, call_tools
 
 ENDINGS = ("answer", "iterations", "budget")  # why an episode ended: a turn without a call, the limit, the budget
 
@@ -154,9 +154,14 @@ class EpisodeRunner:
     a command."""
 
     def __init__(self, tokenizer, template: ToolTurnTemplate, tools: dict[str, Callable], limits: EpisodeLimits,
-                 submit: Callable, parser: str = "hermes"):
+                 submit: Callable, parser: str = "hermes", isolated: IsolatedTools | None = None):
         self.tok, self.template, self.tools, self.limits, self.submit = tokenizer, template, tools, limits, submit
         self.parser = TOOL_CALL_PARSERS[parser]()
+        self.isolated = isolated  # the child processes `tools` run in (tool_isolation: process), closed with the runner
+
+    def close(self) -> None:
+        if self.isolated is not None:
+            self.isolated.close()
 
     async def group(self, prompts: list[np.ndarray], sampling: Sampling, min_version: int = 0,
                     tools: list[dict] | None = None) -> tuple[list[Episode], int, float]:

@@ -12,9 +12,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
-import multiprocessing
-import threading
-from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -22,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from tandem.core.loader import load_function
+from tandem.rollout.child_pool import ChildPool
 
 
 class RewardError(RuntimeError):
@@ -90,69 +88,37 @@ def _child_score(kw: dict) -> np.ndarray:
 
 
 class IsolatedRewards:
-    """RewardFunctions in child processes (spawned: the engine's threads and CUDA stay out of them), with
-    a time limit per call: a reward that hangs or kills its process (os._exit, a crash) fails its own
-    group as a RewardError and the pool restarts; the rollout worker and its engine never stop."""
+    """RewardFunctions in child processes, with a time limit per call: a reward that hangs or kills its process
+    (os._exit, a crash) fails its own group as a RewardError and the pool restarts; the rollout worker and its
+    engine never stop."""
 
     def __init__(self, specs: list[str], timeout_s: float, processes: int = 1):
-        self.specs, self.timeout, self.n = list(specs), timeout_s, max(1, processes)
-        self._lock = threading.Lock()
-        self._gen, self._pool = 0, None
+        self.specs, self.timeout = list(specs), timeout_s
+        self.pool = ChildPool(processes, _child_init, (self.specs,))
 
     def __len__(self) -> int:
         return len(self.specs)
 
-    def _current(self):
-        with self._lock:
-            if self._pool is None:
-                self._pool = ProcessPoolExecutor(self.n, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_child_init, initargs=(self.specs,))
-            return self._pool, self._gen
-
-    def _restart(self, gen: int) -> None:
-        with self._lock:
-            if self._gen != gen or self._pool is None:
-                return  # another call restarted it already
-            for proc in list(getattr(self._pool, "_processes", {}).values()):
-                proc.kill()  # a hung reward never returns: its process goes
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool, self._gen = None, self._gen + 1
-
     def start(self) -> None:
-        """The child processes spawn now (their imports run beside the engine's start), not at the first group."""
-        self._current()[0].submit(int)
+        self.pool.start()
 
     def score(self, *, rows: list[int], **kw) -> np.ndarray:
         where = f"reward functions {self.specs} on dataset row(s) {sorted(set(rows))}"
         for attempt in range(2):
-            pool, gen = self._current()
+            pool, gen = self.pool.current()
             try:
                 return pool.submit(_child_score, dict(kw, rows=rows)).result(timeout=self.timeout)
             except FutureTimeout:
-                self._restart(gen)
+                self.pool.restart(gen)
                 raise RewardError(f"{where}: no result within {self.timeout:g} s (reward_timeout_s); "
                                   "its process was stopped") from None
             except BrokenProcessPool:
-                with self._lock:
-                    by_other = self._gen != gen
-                self._restart(gen)
+                by_other = self.pool.generation != gen
+                self.pool.restart(gen)
                 if by_other and attempt == 0:
                     continue  # another call's reward broke the pool: this one gets a fresh try
                 raise RewardError(f"{where}: the process scoring it died (os._exit, a signal or a crash)") from None
         raise AssertionError("unreachable")
 
     def close(self) -> None:
-        """The child processes stopped and the pool's queues released now: their POSIX semaphores are unlinked
-        when the queues are collected, and an actor killed right after its shutdown never gets there (each
-        left one sem.mp-* in /dev/shm per queue lock)."""
-        import gc
-
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is None:
-            return
-        for proc in list(getattr(pool, "_processes", {}).values()):
-            proc.kill()  # a reward still running is abandoned with the worker
-        pool.shutdown(wait=True, cancel_futures=True)
-        del pool
-        gc.collect()
+        self.pool.close()

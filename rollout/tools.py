@@ -10,12 +10,16 @@ error message to the model and a counted failure, never an exception out of the 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import re
 import threading
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from tandem.rollout.child_pool import ChildPool
 
 
 @dataclass
@@ -135,8 +139,75 @@ async def _call(call: ToolCall, tools: dict[str, Callable], timeout_s: float | N
         return ToolResult(call.name, _error(f"{call.name}: no result within {timeout_s:g} s"), True, loop.time() - t0)
     except Exception as e:  # noqa: BLE001 - the model reads it; the episode goes on
         return ToolResult(call.name, _error(f"{call.name} raised {type(e).__name__}: {e}"), True, loop.time() - t0)
-    return ToolResult(call.name, value if isinstance(value, str) else json.dumps(value, default=str), False,
-                      loop.time() - t0)
+    return ToolResult(call.name, as_text(value), False, loop.time() - t0)
+
+
+def as_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+class ToolProcessDied(RuntimeError):
+    """The child process running a tool call died (tool_isolation: process): the call fails, the worker runs on."""
+
+
+_CHILD_TOOLS: dict[str, Callable] = {}
+
+
+def _child_tools(specs: list[str]) -> None:
+    from tandem.core.loader import load_function
+
+    _CHILD_TOOLS.update((fn.__name__, fn) for fn in map(load_function, specs))
+
+
+def _child_call(name: str, kwargs: dict) -> str:
+    value = _CHILD_TOOLS[name](**kwargs)
+    return as_text(asyncio.run(value) if inspect.iscoroutine(value) else value)
+
+
+class IsolatedTools:
+    """The job's `tools:` run in child processes (`tool_isolation: process`), as `reward_timeout_s` runs rewards: a
+    call that kills its process (os._exit, a crash) fails alone, the model reading the error, and the pool restarts;
+    a call past tool_timeout_s is stopped with its process, where a thread could only be abandoned. `wrap` gives
+    coroutine functions with each tool's name, signature and docstring (its schema unchanged), so call_tools runs
+    them as it runs async tools. The cost per call: bench/tool_isolation.py."""
+
+    def __init__(self, specs: list[str], processes: int = 2):
+        self.pool = ChildPool(processes, _child_tools, (list(specs),))
+
+    def start(self) -> None:
+        self.pool.start()
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def wrap(self, tools: dict[str, Callable]) -> dict[str, Callable]:
+        return {name: self._proxy(name, fn) for name, fn in tools.items()}
+
+    def _proxy(self, name: str, fn: Callable) -> Callable:
+        async def call(**kwargs):
+            return await self.call(name, kwargs)
+
+        return functools.update_wrapper(call, fn)
+
+    async def call(self, name: str, kwargs: dict) -> str:
+        for _ in range(2):
+            pool, gen = self.pool.current()
+            try:
+                return await asyncio.wrap_future(pool.submit(_child_call, name, kwargs))
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():  # this call's time limit: its process is stopped
+                    self.pool.restart(gen)
+                    raise
+                # else another call's restart dropped this one from the queue: a fresh try
+            except BrokenProcessPool:
+                by_other = self.pool.generation != gen
+                self.pool.restart(gen)
+                if not by_other:
+                    raise ToolProcessDied(f"the process running {name} died (os._exit, a signal or a crash); the "
+                                          "rollout worker runs on (tool_isolation: process)") from None
+        raise ToolProcessDied(f"the processes running {name} were restarted twice while it waited (other calls "
+                              "died or ran past tool_timeout_s)")
 
 
 def _error(message: str) -> str:

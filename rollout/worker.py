@@ -43,7 +43,7 @@ from tandem.rollout.episodes import (
 )
 from tandem.rollout.prompts import PromptError, completion_views, tokenize_prompt
 from tandem.rollout.rewards import IsolatedRewards, RewardError, RewardFunctions
-from tandem.rollout.tools import tool_schemas
+from tandem.rollout.tools import IsolatedTools, tool_schemas
 
 
 def build_engine(cfg, seed: int):
@@ -161,6 +161,8 @@ class RolloutWorker:
             self.rewards.close()
         if getattr(self, "episodes_loop", None) is not None:
             self.episodes_loop.close()
+        if self.episodes is not None:
+            self.episodes.close()
 
     def _await_ready(self) -> None:
         self._ready.wait()  # a threaded actor may run a call before setup has finished
@@ -359,7 +361,12 @@ def episode_runner(cfg, tokenizer, submit):
     tools = {fn.__name__: fn for fn in (load_function(spec) for spec in cfg.tools or [])}
     limits = EpisodeLimits(cfg.generation.max_completion_length, cfg.generation.max_tool_calling_iterations,
                            cfg.tool_timeout_s)
-    return EpisodeRunner(tokenizer, template, tools, limits, submit)
+    isolated = None
+    if cfg.tool_isolation == "process" and tools:
+        isolated = IsolatedTools(cfg.tools, max(2, int(cfg.cluster.rollout_resources.num_cpus)))
+        isolated.start()
+        tools = isolated.wrap(tools)
+    return EpisodeRunner(tokenizer, template, tools, limits, submit, isolated=isolated)
 
 
 def rollout_actor_class(cfg, cls=RolloutWorker):

@@ -41,21 +41,19 @@ def cmd_check(args) -> int:
         run_dir_in_use,
         this_machine_errors,
     )
-    from tandem.services.orchestrator.data import check_rows, read_dataset, shaped
+    from tandem.core.compat import tokenizer_without_torch
+    from tandem.rollout.episodes import job_tool_schemas
+    from tandem.services.orchestrator.data import prompt_table, read_dataset
 
     cfg = JobConfig.from_yaml(args.job, args.set)
     check_inputs(cfg, run_dir=False)  # an earlier run in output_dir is said below, not called invalid
     raise_if([lora_target_error(cfg)])  # what the learner and the engines would refuse once started
-    tok = None
-    if cfg.data.system_prompt is not None:  # a string prompt's system turn needs the chat template
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(cfg.model.local_dir())
+    tok = tokenizer_without_torch(cfg.model.local_dir())  # the controller's own: prompts tokenised as it will
+    schemas = job_tool_schemas(cfg, tok)
     for name in ("data", "eval"):  # what the controller refuses at the start
         sec = getattr(cfg, name)
         if sec.path is not None:
-            rows = shaped(read_dataset(f"{name}.path", sec.path, sec.name, sec.split), cfg.data, tok, sec.path)
-            check_rows(rows, cfg.data.prompt_column, sec.path)
+            prompt_table(read_dataset(f"{name}.path", sec.path, sec.name, sec.split), cfg, tok, schemas, sec.path)
     plan = BatchPlan.from_config(cfg)
     print(f"{args.job}: valid; model, data and {len(cfg.rewards)} reward function(s) found on this machine; "
           f"{plan.unique_prompts} prompts × {plan.num_generations} completions per generation cycle")

@@ -21,7 +21,7 @@ RESUMABLE_CHANGES = {("batch", "max_steps"), ("batch", "num_train_epochs"), ("ch
                      ("cluster", "rollout_prompts_in_flight"), ("cluster", "vllm_enforce_eager"),
                      ("cluster", "vllm_merge_adapter"),
                      ("cluster", "vllm_gpu_memory_utilization"), ("cluster", "vllm_max_num_seqs"), ("cluster", "max_restarts"),
-                     ("eval", None)}
+                     ("eval", None), ("tool_isolation", None)}
 
 
 def _digest(obj) -> str:

@@ -35,12 +35,12 @@ from tandem.core.plan import BatchPlan
 from tandem.core.protocol import errors_as_text
 from tandem.rollout.episodes import episode_metrics
 from tandem.services.orchestrator.checkpointer import Checkpointer, fingerprint, fingerprint_changes, rows_digest
-from tandem.services.orchestrator.data import check_rows, read_dataset, shaped
+from tandem.services.orchestrator.data import prompt_table, read_dataset
 from tandem.services.orchestrator.epoch_record import EpochRecord, TrainedRecord
 from tandem.services.orchestrator.evaluator import Evaluator
 from tandem.services.orchestrator.failures import FailureLog
 from tandem.services.orchestrator.group_buffer import GroupBuffer
-from tandem.services.orchestrator.prompt_source import PromptSource, PromptTable
+from tandem.services.orchestrator.prompt_source import PromptSource
 from tandem.services.orchestrator.rollout_pool import RolloutPool, lost_object
 from tandem.services.orchestrator.run_log import EXPORTED, RunLog, rollout_rates, series_name  # noqa: F401 - deploy/ reads EXPORTED
 from tandem.services.orchestrator.trackers import Trackers
@@ -169,9 +169,8 @@ class Controller:
         ids. -> (the number of rows, their content hash where they did not come from a local file)."""
         from tandem.core.compat import tokenizer_without_torch
         from tandem.rollout.episodes import job_tool_schemas
-        from tandem.rollout.prompts import tokenize_prompt
 
-        cfg, pc = self.cfg, self.cfg.data.prompt_column
+        cfg = self.cfg
         if own_process:  # a Ray actor of its own: nothing here runs a model
             tok = tokenizer_without_torch(cfg.model.local_dir())
         else:
@@ -180,18 +179,12 @@ class Controller:
             tok = AutoTokenizer.from_pretrained(cfg.model.local_dir())
 
         schemas = job_tool_schemas(cfg, tok)
-
-        def table(rows: list, where: str) -> PromptTable:
-            rows = shaped(rows, cfg.data, tok, where)
-            check_rows(rows, pc, where)
-            return PromptTable(rows, [tokenize_prompt(tok, r[pc], max_prompt_length=cfg.generation.max_prompt_length,
-                                                      truncate=cfg.data.truncate_long_prompts, row=i, tools=schemas)
-                                      for i, r in enumerate(rows)], pc)
         rows, where = self._rows("data")
-        data = table(rows, where)
+        data = prompt_table(rows, cfg, tok, schemas, where)
         self.source = PromptSource(len(data), cfg.seed, cfg.data.shuffle, table=data)
         if cfg.eval.path is not None or "eval" in self.datasets:
-            self.evaluator = Evaluator(cfg, table(*self._rows("eval")), tok)
+            eval_rows, eval_where = self._rows("eval")
+            self.evaluator = Evaluator(cfg, prompt_table(eval_rows, cfg, tok, schemas, eval_where), tok)
         local = "data" not in self.datasets and Path(cfg.data.path).exists()
         return len(data), None if local else rows_digest(rows)
 

@@ -37,6 +37,25 @@ def shaped(rows: list[dict], data, tokenizer, where: str) -> list[dict]:
     return rows
 
 
+def prompt_table(rows: list[dict], cfg, tokenizer, schemas: list[dict] | None, where: str):
+    """The rows as training reads them: shaped, checked and each prompt tokenised once (the chat template, the
+    system prompt, the tools' schemas, max_prompt_length), by the controller at start and by `tandem check` before
+    it. A prompt that cannot be is a DataError naming `where` (the file, or the rows given from Python) and the row."""
+    from tandem.rollout.prompts import PromptError, tokenize_prompt
+    from tandem.services.orchestrator.prompt_source import PromptTable
+
+    pc, g = cfg.data.prompt_column, cfg.generation
+    rows = shaped(rows, cfg.data, tokenizer, where)
+    check_rows(rows, pc, where)
+    try:
+        ids = [tokenize_prompt(tokenizer, r[pc], max_prompt_length=g.max_prompt_length,
+                               truncate=cfg.data.truncate_long_prompts, row=i, tools=schemas)
+               for i, r in enumerate(rows)]
+    except PromptError as e:
+        raise DataError(f"{where}: {e}") from None
+    return PromptTable(rows, ids, pc)
+
+
 def _mapped(fn, row: Any, i: int, spec: str, where: str) -> dict:
     try:
         out = fn(row)

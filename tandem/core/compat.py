@@ -121,6 +121,12 @@ def tokenizer_without_torch(path: str):
             from transformers import AutoTokenizer
 
             return AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:  # no tokenizer files, or ones transformers cannot read
+            from tandem.core.config import JobConfigError
+
+            raise JobConfigError(f"model.path {path!r}: no tokenizer could be loaded from it ({type(e).__name__}: "
+                                 f"{str(e).strip().splitlines()[0] if str(e).strip() else e}); allowed: a model with "
+                                 "its tokenizer files (tokenizer.json or tokenizer_config.json)") from None
         finally:
             if hid and quiet is None:
                 del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]

@@ -389,6 +389,10 @@ class JobConfig(_Section):
         "the episode's tools, an optional get_reward() one more reward column of weight 1")
     tool_timeout_s: float | None = Field(
         60.0, gt=0, description="time limit of one tool call; past it the model reads an error; null = no limit")
+    tool_isolation: Literal["thread", "process"] = Field(
+        "thread", description="where the tools: functions run: thread = in the rollout worker (a tool that kills its "
+        "process takes the worker with it); process = in child processes of the worker, so a crash or a hang fails "
+        "only its call and a call past tool_timeout_s is stopped (cost: bench/tool_isolation.py)")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="sampling (section)")
     batch: BatchConfig = Field(default_factory=BatchConfig, description="batch arithmetic (section)")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="the loss (section)")
@@ -409,6 +413,14 @@ class JobConfig(_Section):
                 raise ValueError(f"{info.field_name}[{i}] = {spec!r}: expected 'module:function' or "
                                  "'path/to/file.py:function'")
         return v
+
+    @model_validator(mode="after")
+    def _isolated_tools(self) -> JobConfig:
+        if self.tool_isolation == "process" and self.environment is not None:
+            raise ValueError(f"tool_isolation = 'process' with environment = {self.environment!r}: an environment's "
+                             "methods act on its instance in the rollout worker and cannot run in another process; "
+                             "allowed: 'thread' with an environment, 'process' with tools: functions")
+        return self
 
     @model_validator(mode="after")
     def _object_specs(self) -> JobConfig:

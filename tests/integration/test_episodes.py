@@ -47,10 +47,12 @@ def test_model_tokens_logprobs_match_transformers_across_turns_under_the_samplin
                                                                                             tmp_path):
     """Every token the model sampled, on either side of a tool turn, has the sampler's log-prob as transformers
     computes it on the concatenated ids under the version that sampled it (an adapter published first); the tool
-    tokens carry the tool's result, mask 0 and log-prob 0."""
+    tokens carry the tool's result, mask 0 and log-prob 0. The tools run in the worker's child processes
+    (tool_isolation: process): their replies reach the episodes as a thread's would."""
     from transformers import AutoTokenizer
 
-    job = tool_job(tmp_path, tool_model, cluster={"vllm_merge_adapter": False})
+    job = tool_job(tmp_path, tool_model, cluster={"vllm_merge_adapter": False}).model_copy(
+        update={"tool_isolation": "process"})
     w = start_rollout_worker(job, 0)[0]
     try:
         hf = HFEngine(tool_model, lora=job.model.lora)
@@ -67,7 +69,7 @@ def test_model_tokens_logprobs_match_transformers_across_turns_under_the_samplin
             ids = tokenize_prompt(tok, p, max_prompt_length=48, truncate=False, row=i, tools=schemas)
             its.append(PromptItem(group_id=i, index=i, prompt_ids=ids, prompt=p, columns={"answer": 2 * i + 23}))
         groups = ray_session.get(w.generate.remote(its, Sampling(n=8, temperature=0.8, max_tokens=160)))
-        turns = 0
+        turns = answered = 0
         for g, it in zip(groups, its):
             assert isinstance(g, RolloutGroup) and g.version == 1 and g.episodes is not None
             for k in range(g.num_generations):
@@ -79,7 +81,9 @@ def test_model_tokens_logprobs_match_transformers_across_turns_under_the_samplin
                     turns += 1
                     tool_text = tok.decode(c[~mask])
                     assert "<|im_start|>tool" in tool_text and mask[-1]
+                    answered += '"error"' not in tool_text
         assert turns >= 3, "the warmed-up model should call its tool in some episodes"
+        assert answered >= 1, "some calls should reach the tool in its process and come back with its result"
         st = ray_session.get(w.stats.remote())
         assert st["groups"] == 3
     finally:

@@ -19,6 +19,7 @@ import yaml
 from tandem.core.config import JobConfig, JobConfigError
 from tandem.learner.checkpoint_io import load_rng, save_rng
 from tandem.services.app.run import sigterm_as_interrupt
+from tandem.services.devtools.tiny_model import build_tokenizer
 from tandem.services.orchestrator.checkpointer import Checkpointer, fingerprint, fingerprint_changes
 from tandem.services.orchestrator.data import DataError, load_rows
 from tandem.services.orchestrator.run_log import RunLog
@@ -362,14 +363,20 @@ def test_relative_paths_become_absolute_against_the_drivers_directory(tmp_path):
     assert hub.model.path == "org/tiny"  # no such local path: a Hub id, resolved on each node
 
 
-def test_tandem_check_reads_the_data_and_refuses_what_trains_nothing(job_files, tmp_path, capsys):
+@pytest.fixture
+def checked_files(job_files, tiny_model):
+    """job_files with a model that has a tokenizer: `tandem check` tokenises the prompts as the controller will."""
+    return {**job_files, "model": {**job_files["model"], "path": tiny_model}}
+
+
+def test_tandem_check_reads_the_data_and_refuses_what_trains_nothing(checked_files, tmp_path, capsys):
     """A 0-row data file, a whitespace-only prompt (text or chat) and max_steps 0: each refused by `tandem check` in
     one line naming the file and row or the field (before: 'valid')."""
     from tandem.services.app.cli import main
 
     data = tmp_path / "data.jsonl"
     job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(job_files))
+    job.write_text(yaml.safe_dump(checked_files))
     assert main(["check", str(job)]) == 0 and "valid" in capsys.readouterr().out
     cases = {"": f"data.path = {str(data)!r}: no rows",
              json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"prompt": " \t\n"}) + "\n":
@@ -426,14 +433,14 @@ def test_a_bad_target_module_is_the_same_named_refusal_from_the_transformers_eng
     assert pickle.loads(pickle.dumps(JobConfigError("x"))).args == ("x",)
 
 
-def test_tandem_check_calls_a_job_with_an_earlier_run_valid_and_says_what_run_would_do(job_files, tmp_path, capsys):
+def test_tandem_check_calls_a_job_with_an_earlier_run_valid_and_says_what_run_would_do(checked_files, tmp_path, capsys):
     """After a run (as right after `make demo`), `tandem check` says valid and what `tandem run` would do with the
     run in output_dir, as run itself decides it (before: "invalid")."""
     from tandem.services.app.cli import main
 
     out = tmp_path / "run"
     job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({**job_files, "logging": {"output_dir": str(out)}}))
+    job.write_text(yaml.safe_dump({**checked_files, "logging": {"output_dir": str(out)}}))
     assert main(["check", str(job)]) == 0 and "earlier run" not in capsys.readouterr().out
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
@@ -446,13 +453,13 @@ def test_tandem_check_calls_a_job_with_an_earlier_run_valid_and_says_what_run_wo
             printed, printed
 
 
-def test_tandem_check_says_what_this_machine_lacks_that_run_here_would_refuse(job_files, tmp_path, capsys):
+def test_tandem_check_says_what_this_machine_lacks_that_run_here_would_refuse(checked_files, tmp_path, capsys):
     """float16 on a CPU, a GPU no node here has: valid for a cluster (check validates from a laptop), and the line
     run here would give is said beside it."""
     from tandem.services.app.cli import main
 
     job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({**job_files, "model": {**job_files["model"], "dtype": "float16"},
+    job.write_text(yaml.safe_dump({**checked_files, "model": {**checked_files["model"], "dtype": "float16"},
                                    "cluster": {"rollout_resources": {"num_gpus": 1}}}))
     assert main(["check", str(job)]) == 0
     printed = capsys.readouterr().out
@@ -481,7 +488,9 @@ def test_submit_refuses_a_relative_run_directory_before_the_cluster(job_files, t
 def test_tandem_check_refuses_what_run_would_refuse_once_its_actors_started(job_files, tiny_model, tmp_path, capsys):
     """A target module the model lacks (the learner's and the engines' own refusal, on the model built from its config
     on the meta device) and an environment whose constructor needs arguments (one instance per episode is made with none): both
-    refused by `tandem check` in one line (before: "valid")."""
+    refused by `tandem check` in one line (before: "valid"); so are the prompts the controller cannot tokenise: a tools
+    job whose template has no tool turns or whose prompts are text, a system prompt that pushes a prompt past
+    max_prompt_length, a model without a tokenizer."""
     from tandem.services.app.cli import main
 
     env = tmp_path / "env.py"
@@ -494,6 +503,30 @@ def test_tandem_check_refuses_what_run_would_refuse_once_its_actors_started(job_
              "env": ({"environment": f"{env}:Needy", "model": {**base["model"], "fast_inference": False}},
                      f"environment = {env}:Needy: its constructor cannot be called without arguments (missing a "
                      "required argument: 'level')")}
+    tools_model = tmp_path / "tools_model"  # the tiny model with a chat template that renders tool turns
+    shutil.copytree(tiny_model, tools_model)
+    build_tokenizer(512, tool_tokens=True).save_pretrained(tools_model)
+    (tmp_path / "tools.py").write_text('def add(a: int, b: int) -> int:\n    """Adds.\n\n    Args:\n        a: one\n'
+                                       '        b: two\n    """\n    return a + b\n')
+    tools = [f"{tmp_path / 'tools.py'}:add"]
+    plain_model = tmp_path / "plain_model"  # a chat template that drops tool messages
+    shutil.copytree(tiny_model, plain_model)
+    plain = build_tokenizer(512)
+    plain.chat_template = ("{% for m in messages %}{% if m.role != 'tool' %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                           "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                           "{% endif %}")
+    plain.save_pretrained(plain_model)
+    data = job_files["data"]["path"]
+    cases.update({  # what the controller refuses as it tokenises the prompts (before: "valid")
+        "no tool turns": ({"tools": tools, "model": {**base["model"], "path": str(plain_model)}},
+                          f"model {str(plain_model)!r}: its chat template does not render tool messages"),
+        "text prompts": ({"tools": tools, "model": {**base["model"], "path": str(tools_model)}},
+                         f"{data}: dataset row 0: a job with tools needs chat prompts (a list of messages), got str"),
+        "system prompt": ({"data": {"path": data, "system_prompt": "Think step by step. " * 40},
+                           "generation": {"max_prompt_length": 64}},
+                          f"{data}: dataset row 0: prompt has "),
+        "no tokenizer": ({"model": {**base["model"], "path": job_files["model"]["path"]}},
+                         "no tokenizer could be loaded from it")})
     job.write_text(yaml.safe_dump(base))
     assert main(["check", str(job)]) == 0
     capsys.readouterr()

@@ -161,3 +161,111 @@ def test_a_long_reply_is_cut_to_what_could_fit_and_the_cut_is_said():
     cut = capped("x" * 10_000_000, 4096)
     assert cut.startswith("x" * 4096) and cut.endswith("[cut: the reply is 10,000,000 characters, the first 4,096 "
                                                       "shown]") and len(cut) < 4200
+
+
+ISOLATED_TOOLS = '''
+import os, time
+
+
+def add(a: int, b: int) -> int:
+    """Adds two numbers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def die(code: int) -> str:
+    """Ends its process at once.
+
+    Args:
+        code: the exit status
+    """
+    os._exit(code)
+
+
+def hang(pid_file: str) -> str:
+    """Writes its process id, then never returns.
+
+    Args:
+        pid_file: where the id goes
+    """
+    with open(pid_file, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+    return "never"
+
+
+async def later(text: str) -> dict:
+    """An async tool.
+
+    Args:
+        text: echoed
+    """
+    return {"echo": text}
+'''
+
+
+def _shm_semaphores() -> set[str]:
+    import os
+
+    return {n for n in os.listdir("/dev/shm") if n.startswith("sem.mp-")} if os.path.isdir("/dev/shm") else set()
+
+
+def test_process_isolated_tools_survive_a_tool_that_kills_its_process_and_stop_a_hung_one(tmp_path):
+    """tool_isolation: process: a tool that calls os._exit fails its own call (the model reads why) and the next call
+    runs; a call past its time limit is stopped with its process (a thread could only be abandoned); schemas and
+    replies are those of the tools run in the worker; closing leaves no semaphore in /dev/shm."""
+    import os
+
+    from tandem.core.loader import load_function
+    from tandem.rollout.tools import IsolatedTools
+
+    mod = tmp_path / "risky.py"
+    mod.write_text(ISOLATED_TOOLS)
+    specs = [f"{mod}:{n}" for n in ("add", "die", "hang", "later")]
+    plain = {fn.__name__: fn for fn in map(load_function, specs)}
+    before = _shm_semaphores()
+    iso = IsolatedTools(specs, processes=2)
+    iso.start()
+    try:
+        tools = iso.wrap(plain)
+        assert tool_schemas(list(tools.values())) == tool_schemas(list(plain.values()))
+
+        def turn(*calls, timeout=20.0):
+            return asyncio.run(call_tools([ToolCall(n, a) for n, a in calls], tools, timeout))
+
+        ok = turn(("add", {"a": 1, "b": 2}), ("later", {"text": "x"}))
+        assert [(r.content, r.failed) for r in ok] == [("3", False), (json.dumps({"echo": "x"}), False)]
+        died, after = turn(("die", {"code": 3})), turn(("add", {"a": 2, "b": 2}))
+        assert died[0].failed and "the process running die died" in json.loads(died[0].content)["error"]
+        assert [(r.content, r.failed) for r in after] == [("4", False)]
+        pid_file = tmp_path / "pid"
+        t0 = time.monotonic()
+        hung = turn(("hang", {"pid_file": str(pid_file)}), timeout=3.0)
+        assert hung[0].failed and "no result within 3 s" in hung[0].content and time.monotonic() - t0 < 10
+        pid = int(pid_file.read_text())
+        for _ in range(50):  # killed by the restart; reaped by the pool's shutdown
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"the hung tool's process {pid} still runs")
+        assert [(r.content, r.failed) for r in turn(("add", {"a": 5, "b": 5}))] == [("10", False)]
+    finally:
+        iso.close()
+    assert _shm_semaphores() <= before
+
+
+def test_process_isolation_is_refused_with_an_environment():
+    import pytest
+
+    from tandem.core.config import JobConfig
+
+    with pytest.raises(ValueError, match="tool_isolation = 'process' with environment = 'env.py:Game': an environment"):
+        JobConfig.model_validate({"model": {"path": "m"}, "data": {"path": "d.jsonl"}, "rewards": ["r.py:f"],
+                                  "environment": "env.py:Game", "tool_isolation": "process"})
