@@ -120,18 +120,24 @@ def tokenizer_without_torch(path: str):
         try:
             from transformers import AutoTokenizer
 
-            return AutoTokenizer.from_pretrained(path)
+            tok = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError) as e:  # no tokenizer files, or ones transformers cannot read
-            from tandem.core.config import JobConfigError
-
-            raise JobConfigError(f"model.path {path!r}: no tokenizer could be loaded from it ({type(e).__name__}: "
-                                 f"{str(e).strip().splitlines()[0] if str(e).strip() else e}); allowed: a model with "
-                                 "its tokenizer files (tokenizer.json or tokenizer_config.json)") from None
+            raise _no_tokenizer(path, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else e}")
         finally:
             if hid and quiet is None:
                 del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
             elif hid:
                 os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = quiet
+    if len(tok) <= 1:  # a config naming a tokenizer class and no files: transformers makes one with no vocabulary
+        raise _no_tokenizer(path, f"{type(tok).__name__} with {len(tok)} token")
+    return tok
+
+
+def _no_tokenizer(path: str, why: str):
+    from tandem.core.config import JobConfigError
+
+    return JobConfigError(f"model.path {path!r}: no tokenizer could be loaded from it ({why}); allowed: a model with "
+                          "its tokenizer files (tokenizer.json or tokenizer_config.json)")
 
 
 def set_distributed_env(rank: int, world: int, master: str, port: int) -> None:

@@ -8,6 +8,7 @@ huggingface_hub and datasets are imported inside the functions: tandem.core stay
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from pathlib import Path
@@ -37,9 +38,50 @@ def hub_cache() -> str:
 
 
 def _offline() -> bool:
+    """HF_HUB_OFFLINE set, or the Hub's endpoint unreachable from this node (hub_reachable)."""
     from huggingface_hub import constants
 
-    return bool(constants.HF_HUB_OFFLINE)
+    return bool(constants.HF_HUB_OFFLINE) or not hub_reachable()
+
+
+@functools.lru_cache(maxsize=1)
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether a TCP connection to the Hub's endpoint (HF_ENDPOINT) opens, asked once per process. On a machine with
+    no route to the Hub, datasets retries each request five times over ~25 s, a line per retry, before it reads its
+    cache; an unreachable Hub is therefore read as HF_HUB_OFFLINE, as a user there would set it. Behind an HTTP proxy
+    (HTTPS_PROXY) the libraries go through the proxy: taken as reachable."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
+        return True
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def offline_where_unreachable():
+    """huggingface_hub and datasets in offline mode (their cache only) while the Hub cannot be reached."""
+    import datasets
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or hub_reachable():
+        yield
+        return
+    was = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = was
 
 
 def model_dir(path: str, revision: str | None = None) -> str:
@@ -54,9 +96,11 @@ def _snapshot(path: str, revision: str | None) -> str:
     from huggingface_hub import snapshot_download
 
     try:
-        local = snapshot_download(path, revision=revision, allow_patterns=MODEL_FILES)
+        offline = _offline()
+        local = snapshot_download(path, revision=revision, allow_patterns=MODEL_FILES, local_files_only=offline)
         if not any(Path(local).glob("*.safetensors")):
-            local = snapshot_download(path, revision=revision, allow_patterns=MODEL_FILES + ["*.bin"])
+            local = snapshot_download(path, revision=revision, allow_patterns=MODEL_FILES + ["*.bin"],
+                                      local_files_only=offline)
     except Exception as e:  # LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError, ...
         raise JobConfigError(_missing("model.path", path, revision, "models", e)) from None
     if not (Path(local) / "config.json").is_file():
@@ -67,7 +111,10 @@ def _snapshot(path: str, revision: str | None) -> str:
 
 def _missing(field: str, name: str, revision: str | None, kind: str, e: Exception) -> str:
     where = f"revision {revision!r} of " if revision else ""
-    how = ("HF_HUB_OFFLINE is set" if _offline() else
+    from huggingface_hub import constants
+
+    how = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else
+           f"the Hub ({constants.ENDPOINT}) cannot be reached from this node" if not hub_reachable() else
            f"the Hub did not give it ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else e})")
     return (f"{field} = {name!r}: no local path of that name, and {where}the Hub {kind[:-1]} {name!r} is not in the "
             f"Hugging Face cache {hub_cache() if kind == 'models' else _datasets_cache()} ({how}); allowed: a local "
@@ -88,7 +135,8 @@ def load_hub_dataset(field: str, path: str, name: str | None, split: str, revisi
     logging_level = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity_error()  # "using the latest cached version" on every offline read
     try:
-        ds = datasets.load_dataset(path, name, split=split, revision=revision)
+        with offline_where_unreachable():
+            ds = datasets.load_dataset(path, name, split=split, revision=revision)
     except ValueError as e:
         if "split" in str(e).lower() or "config" in str(e).lower():
             raise JobConfigError(f"{field} = {path!r} (name {name!r}, split {split!r}): {str(e).splitlines()[0]}"

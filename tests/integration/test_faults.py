@@ -69,8 +69,9 @@ def wait_for(cond, what: str, timeout: float = 240.0, log=None):
 def test_errors_inside_the_actors_reach_the_user_as_one_line(ray_session, tmp_path, tiny_model, capsys,
                                                               monkeypatch):
     """`tandem run` on this machine: a GPU request no node has is refused in one line naming the field
-    (rc 2), before any actor waits for it; a run-time error inside the controller (a model directory
-    without tokenizer files) is one line with rc 1, its whole traceback in <output_dir>/error.log."""
+    (rc 2), before any actor waits for it; so is a model directory without tokenizer files (found by the controller's
+    setup); a run-time error inside the actors (a weights file cut short) is one line with rc 1, its whole traceback
+    in <output_dir>/error.log."""
     import shutil
 
     import yaml
@@ -94,11 +95,19 @@ def test_errors_inside_the_actors_reach_the_user_as_one_line(ray_session, tmp_pa
     assert err.startswith("tandem: invalid job: cluster.rollout_resources = {'CPU': 1.0, 'GPU': 1.0}: no node")
     assert not ray_session.util.list_named_actors(all_namespaces=True), "a refused job left an actor behind"
 
-    bare = tmp_path / "bare"  # weights and config, but no tokenizer: fails inside the controller's setup
+    bare = tmp_path / "bare"  # weights and config, but no tokenizer: refused inside the controller's setup
     bare.mkdir()
     for f in ("config.json", "model.safetensors"):
         shutil.copy(Path(tiny_model) / f, bare / f)
     job.write_text(yaml.safe_dump({**base, "model": {**base["model"], "path": str(bare)}}))
+    assert main(["run", str(job)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"model.path {str(bare)!r}: no tokenizer could be loaded" in err, err
+    cut = tmp_path / "cut"  # a model whose weights file was cut short: a run-time error inside the actors
+    shutil.copytree(tiny_model, cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    job.write_text(yaml.safe_dump({**base, "model": {**base["model"], "path": str(cut)}}))
     assert main(["run", str(job)]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("tandem: ") and "Traceback" not in err, err
