@@ -122,7 +122,7 @@ def tokenizer_without_torch(path: str):
 
             tok = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError) as e:  # no tokenizer files, or ones transformers cannot read
-            raise _no_tokenizer(path, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else e}")
+            raise _no_tokenizer(path, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else e}") from None
         finally:
             if hid and quiet is None:
                 del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
