@@ -23,3 +23,16 @@ def make_job(tmp_path, model_path, rewards, **sections):
         else:
             d[k] = v
     return JobConfig.from_dict(d)
+
+
+def unmapped_semaphores() -> set[str]:
+    """The POSIX semaphores multiprocessing made (/dev/shm/sem.mp-*) that no live process maps: left behind by one
+    that ended without unlinking them."""
+    import os
+    from pathlib import Path
+
+    from tandem.services.app.supervisor import mapped_names
+
+    shm = Path("/dev/shm")
+    names = {n for n in os.listdir(shm) if n.startswith("sem.mp-")} if shm.is_dir() else set()
+    return names - mapped_names()

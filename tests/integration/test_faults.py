@@ -13,7 +13,7 @@ import pytest
 
 from tandem.services.orchestrator.controller import parts_state
 from tandem.services.orchestrator.epoch_record import EpochRecord
-from tests.helpers import ROOT
+from tests.helpers import ROOT, unmapped_semaphores
 
 pytestmark = pytest.mark.integration
 
@@ -185,6 +185,7 @@ def test_every_death_on_a_ray_start_cluster_is_survived_and_sigterm_saves_within
     import subprocess
     import sys
 
+    left_before = unmapped_semaphores()
     slow = tmp_path / "slow"
     p = start_cluster_run(ray_head, tmp_path, tiny_model, f"SLOW = {str(slow)!r}\n" + SLOW_REWARD, max_steps=60,
                           cluster={"max_restarts": 2})
@@ -261,6 +262,8 @@ def test_every_death_on_a_ray_start_cluster_is_survived_and_sigterm_saves_within
     assert len(trained) == len(trained.pairs()) == 2 * len(steps)
     pending = {tuple(x) for x in st["source"]["requeued"]}
     assert pending and not pending & {(i, e) for e, i in trained.pairs()}  # the slow cycle's prompts come back
+    # no process of the job (its killed actors' included) left a semaphore behind
+    assert wait_for(lambda: unmapped_semaphores() <= left_before, "the job's semaphores released", timeout=30)
 
 
 def test_the_colocated_actors_death_is_the_learners_and_the_job_restarts_from_its_checkpoint(ray_head, tmp_path,
@@ -288,6 +291,7 @@ def test_sigterm_while_the_job_starts_ends_it_in_one_line(ray_head, tmp_path, ti
     """SIGTERM (or Ctrl-C) before the first step, here while the controller waits for a node that has the
     rollout worker's resource: `tandem run` stops at once with rc 130 and a line saying nothing was trained,
     no traceback."""
+    left_before = unmapped_semaphores()
     p = start_cluster_run(ray_head, tmp_path, tiny_model, STEADY_REWARD, max_steps=8,
                           cluster={"rollout_resources": {"num_cpus": 1, "resources": {"absent": 1}}})
     try:
@@ -301,3 +305,4 @@ def test_sigterm_while_the_job_starts_ends_it_in_one_line(ray_head, tmp_path, ti
     assert p.returncode == 130, out[-4000:]
     assert "interrupted while starting: no step trained since the newest checkpoint; stopping" in out, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
+    assert wait_for(lambda: unmapped_semaphores() <= left_before, "the job's semaphores released", timeout=30)

@@ -536,3 +536,24 @@ def test_tandem_check_refuses_what_run_would_refuse_once_its_actors_started(job_
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and said in err, (name, err)
         assert name != "lora" or f"allowed: names of {tiny_model}'s linear layers, e.g. [" in err and "'q_proj'" in err, err
+
+
+def test_the_driver_takes_ctrl_c_even_where_tandem_run_was_started_with_sigint_ignored():
+    """`tandem run ... &` in a script (or under nohup) starts with SIGINT ignored, which a child inherits: the driver
+    then ignored the one SIGINT the supervisor passes on and trained on (found with `kill -INT`). The supervisor's
+    child setup gives the driver Python's Ctrl-C handler whatever it inherited."""
+    import subprocess
+    import sys
+
+    from tandem.services.app.supervisor import _child_setup
+
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        probe = [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) is "
+                 "signal.default_int_handler)"]
+        plain = subprocess.run(probe, capture_output=True, text=True, timeout=60).stdout.strip()
+        driver = subprocess.run(probe, capture_output=True, text=True, timeout=60,
+                                preexec_fn=_child_setup).stdout.strip()
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert (plain, driver) == ("False", "True")
