@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from tandem.core.checks import check_learner_device, check_shared_dir
+from tandem.core.checks import check_learner_device, check_shared_dir, model_error, raise_on_node
 from tandem.core.compat import before_deepspeed_init, set_distributed_env
 from tandem.core.engine_memory import head_dim
 from tandem.core.plan import BatchPlan
@@ -124,6 +124,7 @@ class Learner:
 
     def setup(self) -> int:
         cfg = self.cfg
+        raise_on_node(f"learner rank {self.rank}", [model_error(cfg)])
         check_learner_device(cfg)
         check_shared_dir(cfg.logging.output_dir, self._probe, f"learner rank {self.rank}")
         set_distributed_env(self.rank, self.world, *self._rendezvous)

@@ -102,10 +102,10 @@ class RolloutWorker:
     def setup(self) -> dict:
         from transformers import AutoTokenizer
 
-        from tandem.core.checks import raise_if, reward_errors
+        from tandem.core.checks import model_error, raise_on_node, reward_errors
 
-        try:
-            raise_if(reward_errors(self.cfg))  # one line naming the function, before the engine starts
+        try:  # one line naming the model or the function and this node, before the engine starts
+            raise_on_node(f"rollout worker {self.worker_id}", [model_error(self.cfg), *reward_errors(self.cfg)])
             t = self.cfg.reward_timeout_s
             self.rewards = (RewardFunctions(self.cfg.rewards) if t is None else
                             IsolatedRewards(self.cfg.rewards, t, int(self.cfg.cluster.rollout_resources.num_cpus)))

@@ -361,3 +361,24 @@ def check_shared_dir(output_dir: str, probe: str | None, who: str) -> None:
             f"logging.output_dir = {output_dir!r}: {who} on {socket.gethostname()} cannot read {probe}, which "
             "the controller wrote there; allowed: a directory on a filesystem every node mounts at the same path "
             "(NFS, a shared volume)")
+
+
+def this_node() -> str:
+    """This process's node as a user can find it: the host, its IP and Ray's node id (several nodes of one machine
+    share a host and an IP)."""
+    import socket
+
+    import ray
+
+    return (f"{socket.gethostname()} ({ray.util.get_node_ip_address()}, Ray node "
+            f"{ray.get_runtime_context().get_node_id()[:12]})")
+
+
+def raise_on_node(who: str, errors: list[str | None]) -> None:
+    """What an actor cannot read on its own node, in one line naming the actor and the node: the driver checked the
+    same paths on its node, so a miss here is a node that does not see the job's files."""
+    found = [e for e in errors if e]
+    if found:
+        raise JobConfigError(f"invalid job on {who}, node {this_node()}: " + "; ".join(found) + " (each node reads "
+                             "the job's files at these paths: a filesystem every node mounts, or `tandem submit`, "
+                             "which ships them with the job)")
