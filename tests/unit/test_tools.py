@@ -167,14 +167,13 @@ ISOLATED_TOOLS = '''
 import os, time
 
 
-def add(a: int, b: int) -> int:
-    """Adds two numbers.
+def double(x: int) -> int:
+    """Twice x.
 
     Args:
-        a: the first
-        b: the second
+        x: a number
     """
-    return a + b
+    return 2 * x
 
 
 def die(code: int) -> str:
@@ -225,7 +224,7 @@ def test_process_isolated_tools_survive_a_tool_that_kills_its_process_and_stop_a
 
     mod = tmp_path / "risky.py"
     mod.write_text(ISOLATED_TOOLS)
-    specs = [f"{mod}:{n}" for n in ("add", "die", "hang", "later")]
+    specs = [f"{mod}:{n}" for n in ("double", "die", "hang", "later")]
     plain = {fn.__name__: fn for fn in map(load_function, specs)}
     before = _shm_semaphores()
     iso = IsolatedTools(specs, processes=2)
@@ -237,9 +236,9 @@ def test_process_isolated_tools_survive_a_tool_that_kills_its_process_and_stop_a
         def turn(*calls, timeout=20.0):
             return asyncio.run(call_tools([ToolCall(n, a) for n, a in calls], tools, timeout))
 
-        ok = turn(("add", {"a": 1, "b": 2}), ("later", {"text": "x"}))
-        assert [(r.content, r.failed) for r in ok] == [("3", False), (json.dumps({"echo": "x"}), False)]
-        died, after = turn(("die", {"code": 3})), turn(("add", {"a": 2, "b": 2}))
+        ok = turn(("double", {"x": 3}), ("later", {"text": "x"}))
+        assert [(r.content, r.failed) for r in ok] == [("6", False), (json.dumps({"echo": "x"}), False)]
+        died, after = turn(("die", {"code": 3})), turn(("double", {"x": 2}))
         assert died[0].failed and "the process running die died" in json.loads(died[0].content)["error"]
         assert [(r.content, r.failed) for r in after] == [("4", False)]
         pid_file = tmp_path / "pid"
@@ -255,7 +254,7 @@ def test_process_isolated_tools_survive_a_tool_that_kills_its_process_and_stop_a
             time.sleep(0.1)
         else:
             raise AssertionError(f"the hung tool's process {pid} still runs")
-        assert [(r.content, r.failed) for r in turn(("add", {"a": 5, "b": 5}))] == [("10", False)]
+        assert [(r.content, r.failed) for r in turn(("double", {"x": 5}))] == [("10", False)]
     finally:
         iso.close()
     assert _shm_semaphores() <= before
