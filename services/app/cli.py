@@ -41,14 +41,14 @@ def cmd_check(args) -> int:
         run_dir_in_use,
         this_machine_errors,
     )
-    from tandem.core.compat import tokenizer_without_torch
+    from tandem.core.compat import load_tokenizer
     from tandem.rollout.episodes import job_tool_schemas
     from tandem.services.orchestrator.data import prompt_table, read_dataset
 
     cfg = JobConfig.from_yaml(args.job, args.set)
     check_inputs(cfg, run_dir=False)  # an earlier run in output_dir is said below, not called invalid
     raise_if([lora_target_error(cfg)])  # what the learner and the engines would refuse once started
-    tok = tokenizer_without_torch(cfg.model.local_dir())  # the controller's own: prompts tokenised as it will
+    tok = load_tokenizer(cfg.model.local_dir())  # the prompts tokenised as the controller will (prompt_table)
     schemas = job_tool_schemas(cfg, tok)
     for name in ("data", "eval"):  # what the controller refuses at the start
         sec = getattr(cfg, name)

@@ -167,16 +167,12 @@ class Controller:
     def _read_data(self, own_process: bool) -> tuple[int, str | None]:
         """The prompts (and eval prompts) read, shaped, checked and tokenised once, here: workers receive token
         ids. -> (the number of rows, their content hash where they did not come from a local file)."""
-        from tandem.core.compat import tokenizer_without_torch
+        from tandem.core.compat import load_tokenizer, tokenizer_without_torch
         from tandem.rollout.episodes import job_tool_schemas
 
         cfg = self.cfg
-        if own_process:  # a Ray actor of its own: nothing here runs a model
-            tok = tokenizer_without_torch(cfg.model.local_dir())
-        else:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(cfg.model.local_dir())
+        # a Ray actor of its own runs no model: its transformers may stay torch-less
+        tok = (tokenizer_without_torch if own_process else load_tokenizer)(cfg.model.local_dir())
 
         schemas = job_tool_schemas(cfg, tok)
         rows, where = self._rows("data")

@@ -355,10 +355,8 @@ def check_shared_dir(output_dir: str, probe: str | None, who: str) -> None:
         return
     p = Path(probe)
     if not (p.is_file() and p.read_text() == p.name):
-        import socket
-
         raise JobConfigError(
-            f"logging.output_dir = {output_dir!r}: {who} on {socket.gethostname()} cannot read {probe}, which "
+            f"logging.output_dir = {output_dir!r}: {who} on node {this_node()} cannot read {probe}, which "
             "the controller wrote there; allowed: a directory on a filesystem every node mounts at the same path "
             "(NFS, a shared volume)")
 

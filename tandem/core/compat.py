@@ -118,16 +118,22 @@ def tokenizer_without_torch(path: str):
         if hid:
             os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"  # its "PyTorch was not found" notice
         try:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError) as e:  # no tokenizer files, or ones transformers cannot read
-            raise _no_tokenizer(path, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else e}") from None
+            return load_tokenizer(path)
         finally:
             if hid and quiet is None:
                 del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
             elif hid:
                 os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = quiet
+
+
+def load_tokenizer(path: str):
+    """The model's tokenizer (AutoTokenizer), or one JobConfigError naming model.path where it has none."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:  # no tokenizer files, or ones transformers cannot read
+        raise _no_tokenizer(path, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else e}") from None
     if len(tok) <= 1:  # a config naming a tokenizer class and no files: transformers makes one with no vocabulary
         raise _no_tokenizer(path, f"{type(tok).__name__} with {len(tok)} token")
     return tok
