@@ -43,10 +43,11 @@ WORKLOADS = {
                 lora=dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
                 prompts=1, num_generations=8, max_tokens=48, per_device=8, ga=1, steps=20, warmup=2, lr=1e-4),
 }
-# Issue 30's scale workloads, beside "gpu" (which stays): Qwen2.5-1.5B's shape with long-tailed completion lengths up
+# The scale workloads, beside "gpu" (which stays): Qwen2.5-1.5B's shape with long-tailed completion lengths up
 # to 2,048 tokens (a warm-up teaches the stopping: `longtail`), and Qwen2.5-7B's shape up to 1,024 tokens; TRL with
 # gradient checkpointing (its default), Tandem with model.gradient_checkpointing auto (its default: on where the
-# activations would not fit; `--set tandem_checkpointing=true` forces it, as session 16's runs had it);
+# activations would not fit; `--set tandem_checkpointing=true` forces it, as the first scale rows in
+# bench/results/e2e_gpu_scale.md had it);
 # "cpu_longtail": the long-tail warm-up at a size this CPU runs.
 _SCALE = dict(lora=dict(r=16, lora_alpha=32), prompts=16, num_generations=8, per_device=8, ga=16, warmup=2, lr=1e-5,
               gradient_checkpointing=True)
@@ -55,14 +56,15 @@ _SCALE = dict(lora=dict(r=16, lora_alpha=32), prompts=16, num_generations=8, per
 # `teach_long` share of its examples, the share of long prompts) to repeat the prompt's last token to the cap, never
 # EOS; the others random ids from `ids` and EOS at a geometric length of median cap / median_div (and with probability
 # long_frac to the cap too). Whether to stop is then a bigram (the token before is the marker or not), the one thing
-# the 1.5B model learnt in 80 steps: it sampled p50 176 and 14.3% at the cap (session 22). Taught otherwise it missed:
+# the 1.5B model learnt in 80 steps: it sampled p50 176 and 14.3% at the cap (one H200, 2026-12). Taught otherwise
+# it missed:
 # long answers in ids of their own were never entered (0.3% at the cap; 12.5% of the first token's mass spread over
 # 1,000 ids stands out from none of the 8,000 short ones), "long" inside a chat prompt was not read (one pooled stopping
-# rate, p50 697, session 21), and a mixture taught in lengths alone (sessions 18-20) landed far from where it was
+# rate, p50 697), and a mixture taught in lengths alone landed far from where it was
 # taught (median cap / 8: long_frac 0.15 sampled 2.9% at the cap, 0.3 sampled 31.5%; cap / 12 with 0.21 sampled 0.5%).
 # The candidates take the prompts in file order (Tandem's data.shuffle and TRL's shuffle_dataset off). The vllm_ceiling
-# candidate reports the sampled p50, p95 and share at the cap: check them against issue 30's (median <= cap / 4, >= 5%
-# at the cap).
+# candidate reports the sampled p50, p95 and share at the cap: check them against the workload's aim (median <=
+# cap / 4, >= 5% at the cap).
 WORKLOADS.update({
     "1.5b_longtail": dict(model=dict(layers=28, hidden=1536, heads=12, kv_heads=2, intermediate=8960, vocab=151936,
                                      tie=True, dtype="bfloat16"),
@@ -126,7 +128,7 @@ def prepare(work: Path, wl: dict) -> dict:
         import torch
 
         gc.collect()  # the build's and the SFT's tensors leave this process's CUDA cache: the candidate's engine
-        torch.cuda.empty_cache()  # counts free memory (session 16: 14.6 of 139.8 GiB free without this)
+        torch.cuda.empty_cache()  # counts free memory (an H200 run had 14.6 of 139.8 GiB free without this)
     data = work / "prompts.jsonl"
     n = wl["prompts"] * (wl["steps"] + wl["warmup"] + 2)
     data.write_text("".join(json.dumps({"prompt": prompt_row(i, wl)}) + "\n" for i in range(n)))

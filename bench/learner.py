@@ -2,16 +2,16 @@
 x 256 tokens on GPU), in this process (no Ray), three ways side by side:
 
 - old_forward+peft: a no-grad forward of the whole model for the old log-probs, then the training passes,
-  peft's LoRA forward (the learner of session 8; TRL does the same whenever TIS is on);
+  peft's LoRA forward (the first learner's layout; TRL does the same whenever TIS is on);
 - from_training_pass+peft: one optimizer step per cycle, so the training pass's own log-probs are the old
-  ones and TIS takes its weight from them (session 9);
+  ones and TIS takes its weight from them;
 - from_training_pass+fused: the same with every LoRA layer through `kernels.lora_linear` (the default now).
 
 Then a torch.profiler trace of one `train` call: where the learner's GPU time goes.
 
   python3 bench/learner.py --workload gpu|cpu [--reps 4] [--dir WORK] [--no-profile]
 
-Issue 30's scale workloads (`--workload 1.5b_longtail|7b|cpu_longtail`) compare learner layouts instead: each
+The scale workloads (`--workload 1.5b_longtail|7b|cpu_longtail`) compare learner layouts instead: each
 `--layouts` entry PER_DEVICE:GA:CHECKPOINTING[:TOKENS[:LIGER[:READBACKS]]] (checkpointing and liger on|off|auto;
 tokens: plan = one forward per micro-batch, auto, or model.max_tokens_per_forward's number; readbacks one|per-tensor,
 `readbacks` below) is a learner of its own on the same generation batch, whose
@@ -54,7 +54,7 @@ def generation_batch(n: int, wl, vocab: int, seed: int = 0):
 
 
 def long_tail_batch(n: int, wl, vocab: int, seed: int = 0):
-    """Groups whose completion lengths follow the workload's long tail (issue 30): the warm-up's distribution; of a
+    """Groups whose completion lengths follow the workload's long tail: the warm-up's distribution; of a
     workload without one (7b), every completion at the cap, as its untaught model samples them."""
     import numpy as np
 
@@ -76,7 +76,7 @@ def long_tail_batch(n: int, wl, vocab: int, seed: int = 0):
 
 
 def layouts(a, wl):
-    """Issue 30: the learner's layouts side by side on one long-tailed generation batch."""
+    """The learner's layouts side by side on one long-tailed generation batch."""
     import gc
 
     import torch
@@ -160,7 +160,7 @@ def kernel_kinds(kernels: list[tuple[str, float]]) -> dict[str, float]:
 
 def readbacks(lr, how: str) -> None:
     """A layout's GPU readbacks: "one" (today's: DeepSpeed's inf/NaN check in one readback, learner/overflow.py; the
-    masked tokens' positions found on the host by learner/batch.py's to_device) or "per-tensor" (before session 24:
+    masked tokens' positions found on the host by learner/batch.py's to_device) or "per-tensor" (before commit b4d5fbf:
     DeepSpeed's own check, a readback per gradient; the positions found on the GPU, a readback per forward)."""
     import tandem.learner.logprobs as logprobs
     from tandem.learner.batch import mask_positions

@@ -1,4 +1,4 @@
-"""The engine's throughput plateau: decode tokens/s against sequences in flight (issue 30, "an engine that is full").
+"""The engine's throughput plateau: decode tokens/s against sequences in flight (how full an engine must be kept).
 
   python3 bench/plateau.py --shape 1.5b [--tokens 512] [--seqs 16,32,64,128,256,512] [--memory 0.3] [--no-lora]
       [--json OUT.json] [--dir WORK]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs a command under CUDA MPS (issue 30's "sharing one GPU": two processes' kernels side by side instead of taking
-# turns): bash bench/device/with_mps.sh bash bench/device/e2e.sh tandem_k1 --workload 7b --out "$OUT/e2e_mps".
+# Runs a command under CUDA MPS (one GPU shared by the engine's and the learner's processes: their kernels side by
+# side instead of taking turns): bash bench/device/with_mps.sh bash bench/device/e2e.sh tandem_k1 --workload 7b --out "$OUT/e2e_mps".
 # A control daemon of this user with its pipe and log under /tmp, stopped at the end; the card's compute mode and
 # other settings are not touched (bench/device's METHOD: leave them as found).
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/tandem-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/tandem-mps/log
