@@ -1,6 +1,7 @@
 """A learner's checkpoint on disk: DeepSpeed's state (model, optimizer, scheduler), every RNG of each rank, the
 user's artifact (the adapter in PEFT's format, or a transformers model), and tandem.json (version, steps, the
-controller's state). Written to `<dir>.tmp` and renamed when complete; read without unpickling."""
+controller's state). Written to `<dir>.tmp` and renamed when complete; on a storage URI (tandem.core.storage)
+written on each rank's node, copied there part by part and tandem.json last. Read without unpickling."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ import torch
 
 from tandem.core.adapter import ADAPTER_DIR, write_peft_adapter
 from tandem.core.hub import is_hub_id
+from tandem.core.storage import Store, first_line, is_uri, staging_dir
 from tandem.learner.model import base_model
 from tandem.learner.safe_load import CheckpointRefused, CheckpointWriteError
 
 
 def save_checkpoint(learner, directory: str, extra: dict | None = None) -> str:
     """Written to `<dir>.tmp` and renamed: a crash never leaves a half checkpoint to resume from."""
+    if is_uri(directory):
+        return save_to_storage(learner, directory, extra)
     final = Path(directory)
     tmp = final.with_name(final.name + ".tmp")
     if learner.rank == 0:
@@ -48,6 +52,35 @@ def save_checkpoint(learner, directory: str, extra: dict | None = None) -> str:
     return str(final)
 
 
+def save_to_storage(learner, uri: str, extra: dict | None) -> str:
+    """Each rank writes its parts on its own node and copies them to the URI; rank 0 copies tandem.json last, once
+    every rank's parts are there. A copy cut short leaves no tandem.json: the checkpoint is not listed, and the
+    next save of that cycle starts by deleting it."""
+    local = staging_dir(uri) / f"rank{learner.rank}"
+    store = Store(uri)
+    shutil.rmtree(local, ignore_errors=True)
+    try:
+        if learner.rank == 0:
+            store.delete()  # an earlier copy of this cycle cut short
+        learner.barrier()
+        learner.engine.save_checkpoint(str(local), tag="state", save_latest=False)
+        save_artifact(learner, local)
+        save_rng(local / f"rng_rank{learner.rank}.safetensors")
+        store.upload(local)
+        learner.barrier()
+        if learner.rank == 0:
+            store.write_bytes("tandem.json", json.dumps({"version": learner.version, "steps": learner.steps,
+                                                         **(extra or {})}).encode())
+    except (OSError, RuntimeError) as e:
+        raise CheckpointWriteError(f"checkpoint: writing {uri} failed ({type(e).__name__}: {first_line(e)}): it has "
+                                   "no tandem.json, so it is never resumed from; the previous checkpoints are kept; "
+                                   "allowed: a storage URI this node can write") from e
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+    learner.barrier()
+    return uri
+
+
 def save_artifact(learner, directory: Path) -> None:
     """What a user loads: the adapter in PEFT's format (LoRA), or a transformers model directory (full
     fine-tuning). Gathered on every rank (ZeRO-3), written by rank 0."""
@@ -69,7 +102,16 @@ def save_artifact(learner, directory: Path) -> None:
 
 
 def load_checkpoint(learner, directory: str) -> dict:
-    """Into the learner's engine and this process's RNGs. -> tandem.json's content."""
+    """Into the learner's engine and this process's RNGs. -> tandem.json's content. A storage URI's is copied to this
+    rank's node first (and deleted there once loaded)."""
+    if is_uri(directory):
+        local = staging_dir(directory) / f"load-rank{learner.rank}"
+        shutil.rmtree(local, ignore_errors=True)
+        try:
+            Store(directory).download("", local)
+            return load_checkpoint(learner, str(local))
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
     d = Path(directory)
     try:
         meta = json.loads((d / "tandem.json").read_text())

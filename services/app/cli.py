@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -103,11 +104,11 @@ def cmd_submit(args) -> int:
 
     cfg = JobConfig.from_yaml(args.job, args.set)  # the schema only: the files and CUDA are the cluster's
     for field, d in (("logging.output_dir", cfg.logging.output_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
-        if d is not None and not os.path.isabs(d):
+        if d is not None and not os.path.isabs(d) and "://" not in d:
             raise JobConfigError(f"{field} = {d!r}: relative; under `tandem submit` the run would write into Ray's "
                                  "temporary copy of the uploaded directory on the head, which Ray deletes when the "
-                                 "cluster stops; allowed: an absolute path on the head (or a filesystem every node "
-                                 "mounts)")
+                                 "cluster stops; allowed: a storage URI every node reaches (s3://bucket/run, "
+                                 "gs://...), or an absolute path on a filesystem every node mounts")
     upload, job = None, args.job
     if args.working_dir:  # the whole directory, spelled out: scanned, credentials held back
         upload = plan_upload(args.working_dir, args.allow)
@@ -302,9 +303,15 @@ def write_error_log(args, e: BaseException) -> str:
 
     text = "".join(traceback.format_exception(e))
     try:
-        path = Path(output_dir_of(args.job, args.set)) / "error.log"
+        from tandem.core.storage import Store, is_uri, local_run_dir
+
+        out = output_dir_of(args.job, args.set)
+        path = local_run_dir(out) / "error.log"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
+        if is_uri(out):
+            with contextlib.suppress(OSError):  # the local copy is named either way
+                Store(out).put_file(path, "error.log")
     except Exception:  # noqa: BLE001 - no job file, or a run directory this user cannot write
         path = Path(tempfile.mkstemp(prefix="tandem-error-", suffix=".log")[1])
         path.write_text(text)

@@ -1,17 +1,44 @@
 """`tandem export RUN_OR_CHECKPOINT --merged DIR`: the trained adapter merged into its base model, as a
-transformers model directory (safetensors, config, tokenizer) that serves without peft."""
+transformers model directory (safetensors, config, tokenizer) that serves without peft. The run may be a storage
+URI (s3://...): its adapter is copied to a temporary directory here first."""
 
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
-from tandem.core.adapter import find_adapter
+from tandem.core.adapter import ADAPTER_DIR, find_adapter
 from tandem.core.config import JobConfigError
 from tandem.core.hub import model_dir
+from tandem.core.storage import Location, Store, first_line, is_uri
+
+
+def stored_adapter(source: str, local: Path) -> Path:
+    """A storage URI's adapter (a run's final one, a checkpoint's, or an adapter directory) copied into `local`;
+    looked for as find_adapter looks on a local path. -> the local copy."""
+    from tandem.services.orchestrator.checkpointer import complete_checkpoints
+
+    src = Location(source)
+    try:
+        found = next((c for c in (src, src / ADAPTER_DIR) if Store(c).is_file("adapter_config.json")), None)
+        if found is None:
+            cks = [c / ADAPTER_DIR for c in complete_checkpoints(src / "checkpoints")]
+            found = next((c for c in reversed(cks) if Store(c).is_file("adapter_config.json")), None)
+        if found is None:
+            raise JobConfigError(f"tandem export: {source!r}: no adapter there (looked for adapter_config.json in "
+                                 f"it, in {ADAPTER_DIR}/, and in checkpoints/cycle-*/adapter/)")
+        Store(found).download("", local)
+    except OSError as e:
+        raise JobConfigError(f"tandem export: {source!r}: cannot read it ({first_line(e)}); allowed: a storage URI "
+                             "whose credentials and endpoint this machine's environment gives") from None
+    return local
 
 
 def export_merged(source: str, out: str, dtype: str | None = None) -> Path:
+    if is_uri(source):
+        with tempfile.TemporaryDirectory(prefix="tandem-adapter-") as tmp:
+            return export_merged(str(stored_adapter(source, Path(tmp))), out, dtype)
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer

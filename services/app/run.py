@@ -36,7 +36,7 @@ def start_ray(address: str | None, cfg):
         need = (cfg.cluster.num_rollout_workers * cfg.cluster.rollout_resources.num_cpus
                 + cfg.cluster.num_processes * cfg.cluster.learner_resources.num_cpus)
         init_local_ray(max(int(need) + 1, os.cpu_count() or 1), runtime_env=env)
-        recorded = Path(cfg.logging.output_dir) / RAY_ADDRESS_FILE
+        recorded = Path(cfg.run_dir) / RAY_ADDRESS_FILE
         recorded.parent.mkdir(parents=True, exist_ok=True)
         recorded.write_text(ray.get_runtime_context().gcs_address)
         atexit.register(recorded.unlink, missing_ok=True)  # the embedded Ray ends with this process
@@ -94,7 +94,9 @@ def refuse_a_wrong_token(address: str) -> None:
 def controller_name(output_dir: str) -> str:
     """A running job's Controller is a named actor: `tandem scale` and `tandem status` find it by the
     job's run directory (two jobs cannot share one)."""
-    return "controller:" + str(Path(output_dir).resolve())
+    from tandem.core.storage import is_uri
+
+    return "controller:" + (output_dir.rstrip("/") if is_uri(output_dir) else str(Path(output_dir).resolve()))
 
 
 def start_controller(ray, cfg, resource_wait_s: float = 0.0, out=None, datasets: dict | None = None):
@@ -178,10 +180,11 @@ def connect_controller(output_dir: str, address: str | None):
     import ray
 
     from tandem.core.config import JobConfigError
+    from tandem.core.storage import local_run_dir
 
     if not ray.is_initialized():
         use_cluster_token()
-        recorded = Path(output_dir) / RAY_ADDRESS_FILE
+        recorded = local_run_dir(output_dir) / RAY_ADDRESS_FILE
         address = address or (recorded.read_text().strip() if recorded.is_file() else None)
         if address:
             refuse_a_wrong_token(address)
@@ -281,18 +284,19 @@ def hold_run_dirs(cfg):
     of them: the second is refused in one line naming the field."""
     from tandem.core.checks import unwritable
     from tandem.core.config import JobConfigError
+    from tandem.core.storage import is_uri
 
     out = Path(cfg.logging.output_dir).absolute()
     dirs = [("logging.output_dir", cfg.logging.output_dir)]
     ck = cfg.checkpoint.dir
-    if ck is not None and not Path(ck).absolute().is_relative_to(out):
+    if ck is not None and not is_uri(ck) and not Path(ck).absolute().is_relative_to(out):
         dirs.append(("checkpoint.dir", ck))
     for name, d in dirs:
         if why := unwritable(d, name):
             raise JobConfigError(why)
-    with contextlib.ExitStack() as held:
-        for name, d in dirs:
-            held.enter_context(hold_run_dir(d, name))
+    with contextlib.ExitStack() as held:  # a storage URI: its staging directory on this node (one job per URI on a
+        for name, d in dirs:  # cluster is the controller's name's to keep)
+            held.enter_context(hold_run_dir(str(cfg.run_dir) if d == cfg.logging.output_dir else d, name))
         yield
 
 
@@ -403,20 +407,25 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float, datasets: dict 
     path, artifact = None, None
     if cfg.checkpoint.save_final:
         path = ray.get(ctl.save_checkpoint.remote())
-        artifact = publish_artifact(Path(path), Path(cfg.logging.output_dir))
+        artifact = publish_artifact(path, cfg.logging.output_dir)
     stop_controller(ray, ctl)
     print_summary(cfg, out, path, artifact, t_start)
     return 0
 
 
-def print_summary(cfg, out, path: str | None, artifact: Path | None, t_start: float) -> None:
+def print_summary(cfg, out, path: str | None, artifact, t_start: float) -> None:
     """What the run did, from its record: the reward at the start and the end, the evaluations, the steps
     trained, where the metrics, the plot, the checkpoint and the artifact are."""
+    from tandem.core.storage import Location, run_mirror
     from tandem.services.app.plot import plot_run, read_metrics
 
-    out_dir = Path(cfg.logging.output_dir)
-    png = plot_run(out_dir / "metrics.jsonl", out_dir / "reward.png")
-    lines = read_metrics(out_dir / "metrics.jsonl")
+    here = Path(cfg.run_dir)
+    png = plot_run(here / "metrics.jsonl", here / "reward.png")
+    if mirror := run_mirror(cfg):
+        mirror.push()
+        png = Location(cfg.logging.output_dir) / "reward.png"
+    out_dir = Location(cfg.logging.output_dir)
+    lines = read_metrics(here / "metrics.jsonl")
     rows = [r for r in lines if "reward" in r]  # training steps
     trained = max((r["step"] for r in rows), default=0)  # a line a crash cut is gone, its step trained all the same
     k = min(10, max(len(rows) // 2, 1))
@@ -431,7 +440,10 @@ def print_summary(cfg, out, path: str | None, artifact: Path | None, t_start: fl
     print(f"steps: {trained}" + (f" ({trained - len(rows)} without a metrics line: named above)" if len(rows) < trained
                                  else "") + f", wall: {time.time() - t_start:.0f} s", file=out)
     print(f"metrics: {out_dir / 'metrics.jsonl'}  plot: {png}  checkpoint: {path}", file=out)
-    if artifact is not None and artifact.name == ADAPTER_DIR:
+    if artifact is not None and "://" in str(artifact):
+        print(f"{artifact.name}: {artifact} (`tandem export {out_dir} --merged DIR` merges it into its base here)",
+              file=out)
+    elif artifact is not None and artifact.name == ADAPTER_DIR:
         print(f"adapter: {artifact} (PEFT format): PeftModel.from_pretrained(base, {str(artifact)!r}), vLLM "
               f"LoRARequest('tandem', 1, {str(artifact)!r}), or `tandem export {out_dir} --merged DIR`", file=out)
     elif artifact is not None:
@@ -484,15 +496,14 @@ def resume_job(ray, ctl, out, none: str) -> None:
     print(f"resumed from checkpoint: {resumed}" if resumed else none, file=out)
 
 
-def publish_artifact(checkpoint: Path, out_dir: Path) -> Path | None:
+def publish_artifact(checkpoint: str, out_dir: str):
     """The final checkpoint's adapter (or model) also at `<output_dir>/adapter` (or `/model`), a path
-    that does not change from run to run. -> where it is."""
-    import shutil
+    that does not change from run to run (either may be a storage URI). -> where it is (a Path where local)."""
+    from tandem.core.storage import Location, Store, is_uri
 
+    src = Store(checkpoint)
     for name in (ADAPTER_DIR, "model"):
-        if (checkpoint / name).is_dir():
-            dst = out_dir / name
-            shutil.rmtree(dst, ignore_errors=True)
-            shutil.copytree(checkpoint / name, dst)
-            return dst
+        if src.exists(name) and not src.is_file(name):
+            src.copy_to(name, Store(out_dir), name)
+            return Location(out_dir) / name if is_uri(out_dir) else Path(out_dir) / name
     return None

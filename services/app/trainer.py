@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from tandem.core.config import JobConfig, JobConfigError, with_absolute_paths
+from tandem.core.storage import Store, is_uri, join
 from tandem.core.trl import trl_to_sections
 
 # Tandem's sections a GRPOConfig takes as dicts (what TRL has no name for: workers, staleness, resources, ...)
@@ -110,9 +111,9 @@ class GRPOTrainer:
                 raise JobConfigError(f"GRPOTrainer({name}=...): not supported by Tandem: {REFUSED[name]}")
         path, lora = model_and_lora(model, peft_config)
         self.args = GRPOConfig.from_any(args, f"{path.rstrip('/').split('/')[-1]}-GRPO")
-        out = Path(self.args.output_dir).absolute()
+        out = str(self.args.output_dir) if is_uri(self.args.output_dir) else str(Path(self.args.output_dir).absolute())
         self.functions: dict[str, Any] = {}
-        pkl = str(out / FUNCTIONS_FILE)
+        pkl = join(out, FUNCTIONS_FILE)  # on a storage URI every node reads it there
         job: dict[str, Any] = {
             "rewards": [self._spec(f, "reward_funcs", pkl) for f in as_list(reward_funcs, "reward_funcs")],
             "model": {"path": path, "lora": lora},
@@ -170,22 +171,23 @@ class GRPOTrainer:
 
         cfg = self.job
         if resume_from_checkpoint:
-            ck = Path(cfg.checkpoint_dir).resolve()
-            if resume_from_checkpoint is not True and ck not in Path(resume_from_checkpoint).resolve().parents \
-                    and Path(resume_from_checkpoint).resolve() != ck:
+            ck = cfg.checkpoint_dir if is_uri(cfg.checkpoint_dir) else str(Path(cfg.checkpoint_dir).resolve())
+            given = str(resume_from_checkpoint)
+            given = given.rstrip("/") if is_uri(given) else str(Path(given).resolve())
+            if resume_from_checkpoint is not True and not (given == ck or given.startswith(ck.rstrip("/") + "/")):
                 raise JobConfigError(f"train(resume_from_checkpoint={resume_from_checkpoint!r}): not a checkpoint of "
                                      f"this run; allowed: True, or a path under {ck}")
             cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": True})})
         with hold_run_dirs(cfg):
             if self.functions:
-                write_functions(Path(cfg.logging.output_dir) / FUNCTIONS_FILE, self.functions)
+                write_functions(cfg.logging.output_dir, self.functions)
             check_inputs(cfg, given=set(self.datasets))
             ray = start_ray(self.address or cfg.cluster.address, cfg)
             refs = {k: ray.put(v) for k, v in self.datasets.items()}  # the controller reads them once
             rc = run_job(cfg, address=self.address or cfg.cluster.address, datasets=refs)
         if rc == 130:
             raise KeyboardInterrupt("tandem: training interrupted (a checkpoint was saved)")
-        return train_output(Path(cfg.logging.output_dir) / "metrics.jsonl")
+        return train_output(Path(cfg.run_dir) / "metrics.jsonl")
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -316,13 +318,10 @@ def pickled(fns: dict[str, Any]) -> bytes:
             cloudpickle.unregister_pickle_by_value(m)
 
 
-def write_functions(path: Path, fns: dict[str, Any]) -> None:
-    """{name: function} pickled by value, whole or not at all."""
-    data = pickled(fns)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+def write_functions(output_dir: str, fns: dict[str, Any]) -> None:
+    """{name: function} pickled by value into the run directory (a local path or a storage URI), whole or not at
+    all."""
+    Store(output_dir).write_bytes(FUNCTIONS_FILE, pickled(fns))
 
 
 def train_output(metrics: Path) -> TrainOutput:

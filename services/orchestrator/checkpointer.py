@@ -1,19 +1,20 @@
 """The one owner of checkpoints: when to save, where, how many to keep, what to resume from.
 
 The learner writes what it is told to (its DeepSpeed state, RNG, and the controller's state passed
-along) into `<dir>.tmp` and renames it when complete; the controller and the learner ranks must
-therefore see the same `checkpoint_dir` (a filesystem shared by every node: README)."""
+along): on a local path into `<dir>.tmp`, renamed when complete (the controller and the learner ranks then see
+one filesystem); on a storage URI every part first and `tandem.json` last (tandem.core.storage). Either way a
+checkpoint without tandem.json is incomplete: never listed, never resumed from."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import re
-import shutil
 import zipfile
 from pathlib import Path
 
 from tandem.core.config import JobConfigError
+from tandem.core.storage import Location, Store, first_line, is_uri
 
 # what may change between a run and its resume without changing what was trained or the data order
 RESUMABLE_CHANGES = {("batch", "max_steps"), ("batch", "num_train_epochs"), ("checkpoint", None), ("logging", None),
@@ -67,23 +68,25 @@ def fingerprint_changes(saved: dict, now: dict) -> list[str]:
     return [f"{k} ({saved.get(k)} -> {now.get(k)})" for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
 
 
-def readable(ckpt: Path) -> str | None:
+def readable(ckpt: Location) -> str | None:
     """Why a checkpoint that looks complete cannot be resumed from (a cut tandem.json, a missing part, a state file
     cut short: torch.save writes a zip whose index is its last bytes), or None. Reads no tensor."""
+    ckpt, store = Location(ckpt), Store(ckpt)
     try:
-        meta = json.loads((ckpt / "tandem.json").read_text())
+        meta = json.loads(store.read_text("tandem.json"))
     except (OSError, ValueError) as e:
-        return f"{ckpt / 'tandem.json'}: {e}"
+        return f"{ckpt / 'tandem.json'}: {first_line(e)}"
     if wrong := meta_error(meta):
         return f"{ckpt / 'tandem.json'}: {wrong}"
     for part in ("state", "rng_rank0.safetensors"):
-        if not (ckpt / part).exists():
+        if not store.exists(part):
             return f"{ckpt / part}: missing"
-    for pt in sorted((ckpt / "state").rglob("*.pt")):
+    for pt in (f for f in store.files("state") if f.endswith(".pt")):
         try:
-            zipfile.ZipFile(pt).close()
+            with store.open_input(f"state/{pt}") as fh:
+                zipfile.ZipFile(fh).close()
         except (OSError, zipfile.BadZipFile) as e:
-            return f"{pt}: cut short or not written by torch.save ({e})"
+            return f"{ckpt / 'state' / pt}: cut short or not written by torch.save ({e})"
     return None
 
 
@@ -112,17 +115,16 @@ def meta_error(meta) -> str | None:
 CHECKPOINT_NAME = re.compile(r"cycle-\d{6,}")  # Checkpointer.path's names: not `.tmp`, not `.refused`
 
 
-def complete_checkpoints(root: Path) -> list[Path]:
+def complete_checkpoints(root: str) -> list[Location]:
     """Checkpoint dirs that finished writing (tandem.json inside, no .tmp suffix), oldest first."""
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and CHECKPOINT_NAME.fullmatch(p.name)
-                  and (p / "tandem.json").is_file())
+    store, root = Store(root), Location(root)
+    return [root / name for name, is_dir in store.children()
+            if is_dir and CHECKPOINT_NAME.fullmatch(name) and store.is_file(f"{name}/tandem.json")]
 
 
 class Checkpointer:
     def __init__(self, cfg):
-        self.root = Path(cfg.checkpoint_dir)
+        self.root = Location(cfg.checkpoint_dir)
         self.save_steps = cfg.checkpoint.save_steps
         self.keep = cfg.checkpoint.save_total_limit
         self.fingerprint: dict | None = None  # the job's (fingerprint()), kept in every checkpoint, compared on resume
@@ -134,31 +136,39 @@ class Checkpointer:
         return bool(self.save_steps and any(s % self.save_steps == 0 for s in steps))
 
     def path(self, cycle: int) -> str:
-        self.root.mkdir(parents=True, exist_ok=True)
+        if not is_uri(self.root):
+            Path(self.root).mkdir(parents=True, exist_ok=True)
         return str(self.root / f"cycle-{cycle:06d}")
 
     def prune(self) -> None:
         if self.keep is None:
             return
         for old in complete_checkpoints(self.root)[:-self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            Store(old).delete()
 
-    def latest(self) -> Path | None:
+    def latest(self) -> Location | None:
         return next((ck for ck, why in self.candidates() if why is None), None)
 
-    def candidates(self) -> list[tuple[Path, str | None]]:
+    def candidates(self) -> list[tuple[Location, str | None]]:
         """Complete checkpoints, newest first, each with why it cannot be resumed from (None: it looks readable)."""
         return [(ck, readable(ck)) for ck in reversed(complete_checkpoints(self.root))]
 
     @staticmethod
-    def set_aside(ck: Path) -> Path:
-        """A refused checkpoint newer than the one resumed from, renamed `<name>.refused`: kept for a look, and out
-        of the way of retention and of the save that will reach its cycle again. -> its new path."""
-        dst, n = ck.with_name(ck.name + ".refused"), 1
-        while dst.exists():
+    def set_aside(ck: Location) -> Location:
+        """A refused checkpoint newer than the one resumed from, renamed `<name>.refused` (an object store's: copied,
+        then deleted): kept for a look, and out of the way of retention and of the save that will reach its cycle
+        again. -> its new path."""
+        ck = Location(ck)
+        parent = Location(str(ck)[:-len(ck.name)].rstrip("/"))
+        dst, n = parent / (ck.name + ".refused"), 1
+        while Store(dst).exists():
             n += 1
-            dst = ck.with_name(f"{ck.name}.refused-{n}")
-        ck.rename(dst)
+            dst = parent / f"{ck.name}.refused-{n}"
+        if is_uri(ck):
+            Store(ck).copy_to("", Store(dst))
+            Store(ck).delete()
+        else:
+            Path(ck).rename(dst)
         return dst
 
     def resume(self, load) -> tuple[Path, dict] | None:
@@ -191,7 +201,7 @@ class Checkpointer:
         if found and all(why for _, why in found):
             raise self._refusal(found)
 
-    def _refusal(self, passed: list[tuple[Path, str]]) -> JobConfigError:
+    def _refusal(self, passed: list[tuple[Location, str]]) -> JobConfigError:
         return JobConfigError(f"checkpoint.resume: no checkpoint in {self.root} can be resumed from: " +
                               "; ".join(f"{ck.name} ({why})" for ck, why in passed) +
                               "; allowed: repair or remove them, or logging.overwrite_output_dir: true to start over")

@@ -33,6 +33,7 @@ from typing import ClassVar
 from tandem.core.config import JobConfigError
 from tandem.core.plan import BatchPlan
 from tandem.core.protocol import errors_as_text
+from tandem.core.storage import Location, RunMirror, Store, is_uri, run_mirror
 from tandem.rollout.episodes import episode_metrics
 from tandem.services.orchestrator.checkpointer import Checkpointer, fingerprint, fingerprint_changes, rows_digest
 from tandem.services.orchestrator.data import prompt_table, read_dataset
@@ -123,11 +124,12 @@ class Controller:
         self.learner = self.evaluator = None
         self.checkpoints = Checkpointer(cfg)
         self.log = RunLog(self.out / "metrics.jsonl")
+        self.mirror: RunMirror | None = None  # the run files' copy at a storage URI
         # the driving thread and the answering one
         self._drive, self._interrupted = threading.Lock(), threading.Event()
 
     # what tests, the driver and a reader ask for by name
-    out = property(lambda self: Path(self.cfg.logging.output_dir))
+    out = property(lambda self: Path(self.cfg.run_dir))  # this node's: output_dir, or its staging directory
     cycle = property(lambda self: self.progress.cycle)
     version = property(lambda self: self.progress.version)
     total_cycles = property(lambda self: self.progress.total_cycles)
@@ -146,6 +148,9 @@ class Controller:
         check_inputs(cfg, given=set(self.datasets))  # as this node sees them; each worker imports the rewards again
         if cfg.logging.overwrite_output_dir and not cfg.checkpoint.resume:
             self._clear_run_dir()
+        self.mirror = run_mirror(cfg)
+        if self.mirror:
+            self.mirror.pull()  # a resumed run's record, to cut back and append to
         self.out.mkdir(parents=True, exist_ok=True)
         rows, content = self._read_data(own_process)
         self.buffer = GroupBuffer(cfg.cluster.max_staleness, rows, cfg.grpo.dynamic_sampling,
@@ -217,7 +222,7 @@ class Controller:
             self.pool.start(cfg.cluster.num_rollout_workers)
             self.learner.ready()
         finally:
-            Path(probe).unlink(missing_ok=True)
+            Store(probe).delete()
 
     def _wait_for_nodes(self, wait_s: float) -> None:
         """Every role's request fits some node (within wait_s), or a one-line error: an actor that no node
@@ -236,14 +241,12 @@ class Controller:
     def _clear_run_dir(self) -> None:
         """overwrite_output_dir: the earlier run's record, checkpoints and artifact go before this one writes (never
         the model the job trains: examples keep it at <output_dir>/model)."""
-        import shutil
-
-        for name in ("metrics.jsonl", "failed_prompts.jsonl"):
-            (self.out / name).unlink(missing_ok=True)
+        out = Location(self.cfg.logging.output_dir)
         model = Path(self.cfg.model.path).resolve()
-        for d in (Path(self.cfg.checkpoint_dir), self.out / "adapter", self.out / "model"):
-            if not model.is_relative_to(d.resolve()):  # the job's own model, kept in its run directory, stays
-                shutil.rmtree(d, ignore_errors=True)
+        for d in (out / "metrics.jsonl", out / "failed_prompts.jsonl", Location(self.cfg.checkpoint_dir),
+                  out / "adapter", out / "model"):
+            if is_uri(d) or not model.is_relative_to(Path(d).resolve()):  # the job's model in its run dir stays
+                Store(d).delete()
 
     # --------------------------------------------------------------------------------- cycle
 
@@ -265,6 +268,7 @@ class Controller:
         steps = self._metrics(result["steps"], batch, before, stage, sampled)
         with stage("record"):
             self._record(steps)
+            self._push()
         return {"version": self.version, "steps": steps, "done": self._done()}
 
     def _done(self) -> bool:
@@ -464,7 +468,13 @@ class Controller:
     def _save(self) -> str:
         path = self.learner.save_checkpoint(self.checkpoints.path(self.cycle), {"controller": self.state()})
         self.checkpoints.prune()
+        self._push()
         return path
+
+    def _push(self) -> None:
+        """The run files written since the last push to the storage URI (none for a local output_dir)."""
+        if self.mirror:
+            self.mirror.push()
 
     @one_at_a_time
     def resume(self) -> str | None:
@@ -485,7 +495,7 @@ class Controller:
 
     def _load(self, ck: Path) -> dict:
         """One checkpoint into the learner and the parts (raises when it was written by another job)."""
-        saved = json.loads((ck / "tandem.json").read_text())["controller"].get("fingerprint")
+        saved = json.loads(Store(ck).read_text("tandem.json"))["controller"].get("fingerprint")
         changed = fingerprint_changes(saved, self.checkpoints.fingerprint) if saved else []  # none in old ones
         if changed and not self.cfg.checkpoint.allow_changed_job:
             raise JobConfigError(f"checkpoint.resume: {ck} was written by a different job: {'; '.join(changed)}; "
@@ -514,6 +524,7 @@ class Controller:
             self.pool.shutdown()
         if self.log.trackers is not None:
             self.log.trackers.close()
+        self._push()  # the trackers' last files
         if self.learner is not None:
             self.learner.shutdown()
 

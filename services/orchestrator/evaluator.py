@@ -50,7 +50,7 @@ class Evaluator:
         train = Sampling.from_config(cfg, seed=cfg.seed)  # the job's sampling, seeded: evaluations compare
         self.sampling = replace(train, n=e.num_generations,
                                 temperature=train.temperature if e.temperature is None else e.temperature)
-        self.dir = Path(cfg.logging.output_dir) / "eval"
+        self.dir = Path(cfg.run_dir) / "eval"
 
     def due(self, first_step: int, last_step: int, final: bool) -> bool:
         """After a cycle that trained steps first_step..last_step: every eval_steps and at the end."""

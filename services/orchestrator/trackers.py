@@ -118,7 +118,7 @@ class Trackers:
     and dropped (metrics.jsonl is the record)."""
 
     def __init__(self, cfg):
-        out = Path(cfg.logging.output_dir)
+        out = Path(cfg.run_dir)
         self.ids_path = out / "trackers.json"
         ids = json.loads(self.ids_path.read_text()) if self.ids_path.is_file() else {}
         name = cfg.logging.run_name or out.resolve().name

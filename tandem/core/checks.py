@@ -11,6 +11,7 @@ from pathlib import Path
 from tandem.core.config import JobConfig, JobConfigError
 from tandem.core.hub import is_hub_id
 from tandem.core.loader import load_function
+from tandem.core.storage import Location, Store, check_reachable, is_uri
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -276,19 +277,22 @@ def raise_if(errors: list[str | None]) -> None:
 
 def run_dir_in_use(cfg: JobConfig) -> str | None:
     """What shows that output_dir holds an earlier run (its metrics or a complete checkpoint), or None."""
-    out = Path(cfg.logging.output_dir)
-    if (out / "metrics.jsonl").is_file():
+    out = Location(cfg.logging.output_dir)
+    if Store(out).is_file("metrics.jsonl"):
         return str(out / "metrics.jsonl")
-    ck = Path(cfg.checkpoint_dir)
-    done = sorted(p for p in ck.glob("*/tandem.json")) if ck.is_dir() else []
-    return str(done[-1].parent) if done else None
+    ck = Store(cfg.checkpoint_dir)
+    done = [name for name, is_dir in ck.children() if is_dir and ck.is_file(f"{name}/tandem.json")]
+    return str(Location(cfg.checkpoint_dir) / done[-1]) if done else None
 
 
 def unwritable(output_dir: str, field: str = "logging.output_dir") -> str | None:
-    """Why the run directory cannot be written or made (a read-only mount, no permission), or None. Tried with a
-    temporary file in it, or in its nearest existing parent when it is still to be made: nothing is left behind."""
+    """Why the run directory cannot be written or made (a read-only mount, no permission; a storage URI this node
+    has no credentials or endpoint for), or None. Tried with a temporary file in it, or in its nearest existing
+    parent when it is still to be made: nothing is left behind."""
     import tempfile
 
+    if is_uri(output_dir):
+        return check_reachable(output_dir, field)
     out = Path(output_dir).absolute()
     if out.exists() and not out.is_dir():
         return f"{field} = {str(out)!r}: a file, not a directory"
@@ -304,15 +308,15 @@ def unwritable(output_dir: str, field: str = "logging.output_dir") -> str | None
 
 def run_dir_error(cfg: JobConfig) -> str | None:
     """A fresh run never mixes with an earlier one: it resumes it or is told to overwrite it."""
-    out = Path(cfg.logging.output_dir)
-    if why := unwritable(str(out)):
+    out = cfg.logging.output_dir
+    if why := unwritable(out):
         return why
-    if cfg.model.lora is None and Path(cfg.model.path).resolve() == (out / "model").resolve():
+    if cfg.model.lora is None and not is_uri(out) and Path(cfg.model.path).resolve() == (Path(out) / "model").resolve():
         return (f"model.path = {cfg.model.path!r}: is <output_dir>/model, where a full fine-tuning run writes its "
                 "trained model (it would replace the model it starts from); allowed: the model elsewhere, or another "
                 "logging.output_dir")
     if earlier_run(cfg) == "refuse":
-        return (f"logging.output_dir = {str(out)!r}: holds an earlier run ({run_dir_in_use(cfg)}); allowed: "
+        return (f"logging.output_dir = {out!r}: holds an earlier run ({run_dir_in_use(cfg)}); allowed: "
                 "checkpoint.resume: true to continue it, logging.overwrite_output_dir: true to start over there, "
                 "or another directory")
     return None
@@ -341,24 +345,32 @@ def check_learner_device(cfg: JobConfig) -> None:
 def write_shared_probe(output_dir: str) -> str:
     """A file under output_dir that every learner rank must read back: checkpoints are written by the
     learner and read by the controller, so the run directory must be one filesystem seen from every
-    node at the same path (README: running on a cluster). -> its path."""
+    node at the same path, or a storage URI every node reaches. -> its path."""
     import uuid
 
-    Path(output_dir).mkdir(parents=True, exist_ok=True)
-    p = Path(output_dir).resolve() / f".tandem-probe-{uuid.uuid4().hex[:12]}"
-    p.write_text(p.name)
-    return str(p)
+    if not is_uri(output_dir):
+        output_dir = str(Path(output_dir).resolve())
+    name = f".tandem-probe-{uuid.uuid4().hex[:12]}"
+    Store(output_dir).write_bytes(name, name.encode())
+    return str(Location(output_dir) / name)
 
 
 def check_shared_dir(output_dir: str, probe: str | None, who: str) -> None:
     if probe is None:
         return
-    p = Path(probe)
-    if not (p.is_file() and p.read_text() == p.name):
+    name = Location(probe).name
+    try:
+        seen = Store(probe).read_bytes("") if Store(probe).is_file("") else b""
+    except OSError as e:
+        seen = str(e).encode()
+    if seen != name.encode():
+        how = (f"cannot read {probe}, which the controller wrote there (this node's storage credentials or endpoint: "
+               f"{seen.decode()[:200] or 'not found'})" if is_uri(probe) else f"cannot read {probe}, which the "
+               "controller wrote there")
         raise JobConfigError(
-            f"logging.output_dir = {output_dir!r}: {who} on node {this_node()} cannot read {probe}, which "
-            "the controller wrote there; allowed: a directory on a filesystem every node mounts at the same path "
-            "(NFS, a shared volume)")
+            f"logging.output_dir = {output_dir!r}: {who} on node {this_node()} {how}; allowed: a storage URI every "
+            "node reaches (s3://bucket/run, gs://...), or a directory on a filesystem every node mounts at the same "
+            "path (NFS, a shared volume)")
 
 
 def this_node() -> str:

@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tandem.core.plan import batch_error
+from tandem.core.storage import is_uri, join, staging_dir
 
 
 class JobConfigError(ValueError):
@@ -340,8 +341,10 @@ TRACKERS = ("tensorboard", "wandb", "mlflow")
 
 
 class LoggingConfig(_Section):
-    output_dir: str = Field("runs/tandem", description="run directory: metrics.jsonl, plot, checkpoints; on a "
-                            "cluster a filesystem every node sees at this path")
+    output_dir: str = Field("runs/tandem", description="run directory: metrics.jsonl, plot, checkpoints, the "
+                            "adapter; a local path (on a cluster: one every node sees at this path) or a storage URI "
+                            "every node reaches (s3://bucket/run, gs://..., file://...; credentials from each node's "
+                            "environment)")
     progress: bool = Field(True, description="progress bar on the terminal")
     overwrite_output_dir: bool = Field(
         False, description="start over in an output_dir that holds an earlier run (its metrics and checkpoints "
@@ -483,7 +486,15 @@ class JobConfig(_Section):
 
     @property
     def checkpoint_dir(self) -> str:
-        return self.checkpoint.dir or os.path.join(self.logging.output_dir, "checkpoints")
+        """A local path or a storage URI (tandem.core.storage)."""
+        return self.checkpoint.dir or join(self.logging.output_dir, "checkpoints")
+
+    @property
+    def run_dir(self) -> str:
+        """Where this node writes the run's files: output_dir, or for a storage URI this node's staging directory
+        (copied to the URI by storage.RunMirror)."""
+        out = self.logging.output_dir
+        return str(staging_dir(out)) if is_uri(out) else out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], overrides: list[str] | None = None) -> JobConfig:
@@ -540,7 +551,7 @@ def with_absolute_paths(cfg: JobConfig, base: str | os.PathLike) -> JobConfig:
     from tandem.core.hub import is_hub_id  # noqa: PLC0415 - hub imports this module
 
     def absolute(v):
-        return v if v is None or Path(v).is_absolute() else str(b / v)
+        return v if v is None or Path(v).is_absolute() or is_uri(v) else str(b / v)
 
     def local_or_hub(v):  # a local path wins; a Hub id stays a name
         return v if v is not None and not (b / v).exists() and is_hub_id(v) else absolute(v)

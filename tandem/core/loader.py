@@ -49,16 +49,29 @@ def load_function(spec: str):
 
 
 def _pickled(path: str) -> dict:
-    """The {name: function} a GRPOTrainer pickled (cloudpickle, by value), read once per process and version."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"file {path!r} not found (the functions given to tandem.GRPOTrainer are pickled there)")
-    key = (str(p.resolve()), p.stat().st_mtime_ns)
+    """The {name: function} a GRPOTrainer pickled (cloudpickle, by value), read once per process and version; from a
+    storage URI where the run directory is one (every node reads it there: tandem.core.storage)."""
+    from tandem.core.storage import Store, first_line, is_uri
+
+    if is_uri(path):
+        try:
+            key, data = (path, Store(path).size("")), None
+            if key not in _PICKLED:
+                data = Store(path).read_bytes("")
+        except OSError as e:
+            raise ValueError(f"file {path!r} cannot be read on this node ({first_line(e)})") from None
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"file {path!r} not found (the functions given to tandem.GRPOTrainer are pickled there)")
+        key, data = (str(p.resolve()), p.stat().st_mtime_ns), None
+        if key not in _PICKLED:
+            data = p.read_bytes()
     if key not in _PICKLED:
         import pickle  # cloudpickle's output loads with pickle; the classes it names are cloudpickle's own
 
         try:
-            _PICKLED[key] = pickle.loads(p.read_bytes())
+            _PICKLED[key] = pickle.loads(data)
         except Exception as e:
             raise ValueError(f"unpickling {path!r} failed: {type(e).__name__}: {e}") from None
     return _PICKLED[key]

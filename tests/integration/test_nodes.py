@@ -37,29 +37,19 @@ def test_a_lost_rollout_node_costs_its_worker_and_groups_not_the_job(tmp_path, t
     assert any("scored group(s) lost with their node" in s and "nothing was trained on them" in s for s in said), said
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_node_that_cannot_see_the_jobs_files_is_named_in_the_refusal(ray_head, tmp_path, tiny_model):
     """A node started in a mount namespace of its own with an empty tmpfs over the job's directory (as a second
     machine without the shared mount): the rollout worker Ray puts there refuses the job in one line naming itself,
     the node and what it cannot read (the model and the reward file), where the driver's node sees them all."""
     import os
     import shutil
-    import time
 
     import yaml
 
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("a node with a private view of the filesystem needs `unshare -m` as root")
-    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"unshare -m is not allowed here: {probe.stderr.decode().strip()}")
+    from tests.helpers.nodes import BINDIR, start_node, stop, wait_for_resource, why_no_private_mounts
+
+    if why := why_no_private_mounts():
+        pytest.skip(why)
     job_dir = tmp_path / "job"
     shutil.copytree(tiny_model, job_dir / "model")
     (job_dir / "reward.py").write_text("def r(completions, **kw):\n    return [1.0] * len(completions)\n")
@@ -70,34 +60,16 @@ def test_a_node_that_cannot_see_the_jobs_files_is_named_in_the_refusal(ray_head,
         "batch": {"num_generations": 4, "per_device_train_batch_size": 4, "max_steps": 1},
         "cluster": {"rollout_resources": {"num_cpus": 0, "resources": {"hidden_node": 1}}},
         "logging": {"output_dir": str(tmp_path / "run"), "progress": False}}))
-    bindir = os.path.dirname(sys.executable)
-    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ["PATH"], RAY_AUTH_MODE="token",
+    env = dict(os.environ, PATH=BINDIR + os.pathsep + os.environ["PATH"], RAY_AUTH_MODE="token",
                RAY_AUTH_TOKEN=ray_head["token"])
-    ports = " ".join(f"--{name}={_free_port()}" for name in (
-        "node-manager-port", "object-manager-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-        "runtime-env-agent-port", "metrics-export-port"))
-    low = _free_port() // 100 * 100 % 50000 + 10000  # a worker port block of its own
-    start = (f"mount -t tmpfs none {job_dir} && exec {bindir}/ray start --address={ray_head['gcs']} --block "
-             f"--num-cpus=0 --resources='{{\"hidden_node\": 1}}' {ports} --min-worker-port={low} "
-             f"--max-worker-port={low + 99}")
-    node = subprocess.Popen(["unshare", "-m", "--propagation", "private", "bash", "-c", start], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    node = start_node(ray_head["gcs"], env, {"hidden_node": 1}, 0, hide=[job_dir])
     try:
-        status = ""
-        for _ in range(60):  # the node has joined once the cluster lists its resource
-            assert node.poll() is None, node.stderr.read()[-3000:]
-            status = subprocess.run([f"{bindir}/ray", "status", f"--address={ray_head['gcs']}"], env=env,
-                                    capture_output=True, text=True).stdout
-            if "hidden_node" in status:
-                break
-            time.sleep(1)
-        assert "hidden_node" in status, status
+        wait_for_resource(ray_head["gcs"], env, "hidden_node", 1, [node])
         run = subprocess.run([sys.executable, "-m", "tandem.services.app.cli", "run", str(job_dir / "job.yaml"),
                               "--address", ray_head["gcs"]], env=env, cwd=tmp_path, capture_output=True, text=True,
                              timeout=180)
     finally:
-        node.terminate()
-        node.wait(60)
+        stop([node])
     said = [ln for ln in run.stderr.splitlines() if ln.startswith("tandem: ")]  # beside Ray's "Connecting to" lines
     assert run.returncode == 2 and len(said) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
     assert said[0].startswith("tandem: invalid job on rollout worker 0, node "), said

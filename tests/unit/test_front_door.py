@@ -253,17 +253,19 @@ def test_a_tokenizer_changed_in_memory_is_refused(hub_cache, tmp_path):
 
 def test_functions_made_in_a_process_load_by_value_where_their_module_cannot_be_imported(tmp_path):
     """A closure over a local, calling a helper of this test module: pickled by value, it runs in a fresh
-    interpreter that cannot import `tests` (another directory, no path to this repository's tests)."""
-    from tandem.services.app.trainer import write_functions
+    interpreter that cannot import `tests` (another directory, no path to this repository's tests); written to and
+    read from a run directory that is a storage URI, as every node reads it there."""
+    from tandem.services.app.trainer import FUNCTIONS_FILE, write_functions
 
     bonus = 0.5
 
     def reward_closure(completions, **kwargs):
         return [v + bonus for v in reward_len(completions)]
-    write_functions(tmp_path / "f.pkl", {"reward_closure": reward_closure})
+    run = f"file://{tmp_path}/run"
+    write_functions(run, {"reward_closure": reward_closure})
     code = ("import sys; from tandem.core.loader import load_function; "
             "assert 'tests' not in sys.modules; "
-            f"print(load_function({str(tmp_path / 'f.pkl') + ':reward_closure'!r})(completions=['ab', 'abcd']))")
+            f"print(load_function({run + '/' + FUNCTIONS_FILE + ':reward_closure'!r})(completions=['ab', 'abcd']))")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]

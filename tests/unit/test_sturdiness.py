@@ -83,7 +83,7 @@ def test_an_unreadable_newest_checkpoint_is_named_and_an_older_one_used(job_file
         (root / name / "rng_rank0.safetensors").write_bytes(b"x")
     (root / "cycle-000006" / "tandem.json").write_text('{"version": 6, "ste')  # cut by a crash
     (root / "cycle-000004" / "rng_rank0.safetensors").unlink()
-    assert Checkpointer(cfg).latest() == root / "cycle-000002"
+    assert Checkpointer(cfg).latest() == str(root / "cycle-000002")
     out = " ".join(f"{ck.name}: {why}" for ck, why in Checkpointer(cfg).candidates())  # the resume prints these
     assert "cycle-000006/tandem.json" in out and "cycle-000004/rng_rank0.safetensors: missing" in out
     aside = Checkpointer.set_aside(root / "cycle-000006")  # out of retention's and the next save's way
@@ -103,7 +103,7 @@ def test_a_state_file_cut_short_is_unreadable_and_none_readable_refuses_before_a
     Checkpointer(cfg).refuse_if_none_readable()  # both intact: nothing to refuse
     cut = root / "cycle-000004" / "state" / "global_step2" / "mp_rank_00_model_states.pt"
     cut.write_bytes(cut.read_bytes()[:200])
-    assert Checkpointer(cfg).latest() == root / "cycle-000002"
+    assert Checkpointer(cfg).latest() == str(root / "cycle-000002")
     Checkpointer(cfg).refuse_if_none_readable()  # an older one still looks readable: the resume will try it
     (root / "cycle-000002" / "tandem.json").write_text('{"version": 2, "ste')
     with pytest.raises(JobConfigError) as e:
