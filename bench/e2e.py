@@ -97,6 +97,8 @@ def on_gpu(workload: str) -> bool:
 TANDEM = {"tandem_k0": (0, "server", True), "tandem_k1": (1, "server", True),
           "tandem_k0_colocate": (0, "colocate", True), "tandem_k1_colocate": (1, "colocate", True),
           "tandem_k0_generate": (0, "server", False), "tandem_k1_generate": (1, "server", False)}
+# the same job on two Ray nodes of this machine (run_tandem_nodes): max_staleness
+TANDEM_NODES = {"tandem_k1_nodes": 1}
 TRL_VLLM_MEMORY = 0.3  # GRPOConfig's vllm_gpu_memory_utilization
 KEYS = ("s_per_step", "gen_s_per_step", "train_s_per_step", "completions_per_s", "gen_tokens_per_s",
         "gpu_busy_frac", "peak_gpu_gib", "publish_latency_s")
@@ -322,14 +324,56 @@ def run_tandem(paths, wl, k, args, mode="server", vllm=True) -> dict:
     return measure_tandem(tandem_config(paths, wl, k, args, mode, vllm), wl, on_gpu(args.workload))
 
 
-def measure_tandem(cfg, wl, gpu: bool) -> dict:
-    """A Tandem job run as `tandem run` runs it (embedded Ray, its controller), timed after the warm-up steps."""
+def run_tandem_nodes(paths, wl, k, args) -> dict:
+    """The tandem_k{k} job with its learner on one Ray node (the head, a `learner` resource) and its rollout worker
+    on another (a `rollout` resource), two `ray start` of this machine each offering its GPUs: the adapter goes
+    from node to node through Ray's object transfer, as between two machines, not through one node's store."""
+    import secrets
+    import tempfile
+
+    from tandem.services.devtools.local_nodes import start_head, start_node, stop, wait_for_resource
+
+    gpus = 1 if on_gpu(args.workload) else None
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16))  # the driver joins with it
+    env = dict(os.environ)
+    cpus = max((os.cpu_count() or 2) // 2, 1)
+    head, gcs = start_head(env, tempfile.mkdtemp(prefix="ray"), cpus, gpus, {"learner": 1})
+    node = start_node(gcs, env, {"rollout": 1}, cpus, num_gpus=gpus)
+    try:
+        wait_for_resource(gcs, env, "rollout", 1, [head, node])
+        cfg = tandem_config(paths, wl, k, args)
+        c = cfg.cluster
+        cfg = cfg.model_copy(update={"cluster": c.model_copy(update={
+            "rollout_resources": c.rollout_resources.model_copy(update={"resources": {"rollout": 1}}),
+            "learner_resources": c.learner_resources.model_copy(update={"resources": {"learner": 1}})})})
+        return measure_tandem(cfg, wl, gpus is not None, address=gcs)
+    finally:
+        import ray
+
+        ray.shutdown()
+        stop([node, head])
+
+
+def actor_nodes(ray) -> dict:
+    """{actor class: [node id, ...]} of the job's live actors (where the learner and the workers run)."""
+    from ray.util.state import list_actors
+
+    out: dict = {}
+    for a in list_actors(filters=[("state", "=", "ALIVE")]):
+        out.setdefault(a.class_name, []).append(a.node_id)
+    return out
+
+
+def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
+    """A Tandem job run as `tandem run` runs it (embedded Ray, or the cluster at `address`; its controller), timed
+    after the warm-up steps."""
     from tandem.services.app.run import start_controller, start_ray
 
     shutil.rmtree(cfg.logging.output_dir, ignore_errors=True)
-    ray = start_ray(None, cfg)
+    ray = start_ray(address, cfg)
     pss = PeakPSS() if not gpu else None
     ctl = start_controller(ray, cfg)
+    placed = actor_nodes(ray)
     rows, first_step_s, stop, cpu, step_s = [], None, None, None, []
     for i in range(wl["warmup"] + wl["steps"]):
         if i == wl["warmup"]:
@@ -345,7 +389,8 @@ def measure_tandem(cfg, wl, gpu: bool) -> dict:
     gpu_stats = stop() if stop else {}
     ray.get(ctl.shutdown.remote())
     ray.kill(ctl)
-    ray.shutdown()
+    if address is None:
+        ray.shutdown()
     def med(key, how=statistics.median):
         vals = [s[key] for s in rows if s.get(key) is not None]
         return how(vals) if vals else None
@@ -369,6 +414,7 @@ def measure_tandem(cfg, wl, gpu: bool) -> dict:
         # the learner process's own peaks (torch's allocator; colocated, the engine's tensors too) beside nvidia-smi's
         "learner_peak_allocated_gib": top("learner/peak_allocated_gib"),
         "learner_peak_reserved_gib": top("learner/peak_reserved_gib"),
+        "learner_nodes": placed.get("Learner", []), "rollout_nodes": placed.get("RolloutWorker", []),
         **{f"learner_{p}_s": med(f"learner/time/{p}_s") for p in ("prepare", "forwards", "finish")},
     }
     out.update({k2: v for k2, v in gpu_stats.items()})
@@ -578,7 +624,8 @@ def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("candidate", choices=list(TANDEM) + ["vllm_ceiling", "vllm_merged", "trl_colocate", "trl"])
+    r.add_argument("candidate", choices=list(TANDEM) + list(TANDEM_NODES) + ["vllm_ceiling", "vllm_merged",
+                                                                               "trl_colocate", "trl"])
     r.add_argument("--workload", default="gpu", choices=list(WORKLOADS))
     r.add_argument("--dir", default="/tmp/tandem-e2e")
     r.add_argument("--json", required=True)
@@ -604,6 +651,8 @@ def main():
     if a.candidate in TANDEM:
         k, mode, vllm = TANDEM[a.candidate]
         res = run_tandem(paths, wl, k, a, mode, vllm)
+    elif a.candidate in TANDEM_NODES:
+        res = run_tandem_nodes(paths, wl, TANDEM_NODES[a.candidate], a)
     else:
         res = run_vllm(paths, wl, a, lora=a.candidate == "vllm_ceiling") if a.candidate.startswith("vllm_") \
             else run_trl(paths, wl, a)

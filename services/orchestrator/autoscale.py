@@ -1,0 +1,53 @@
+"""Rollout workers that follow the load (`cluster.autoscale`): after each cycle the controller compares the time the
+learner waited for groups with its training time, and the groups left waiting in the buffer with a batch, and
+moves the worker count one step within the bounds. Ray's autoscaler is told what the new count needs
+(`ray.autoscaler.sdk.request_resources`), so it adds a node for a worker that no node has room for and lets an
+idle one go; `tandem scale` sets the count by hand between decisions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# the learner waited for groups longer than this share of its training time: a worker more
+GROW_WAIT_SHARE = 0.2
+# it waited less than this share while a whole batch of groups waited in the buffer: a worker less
+SHRINK_WAIT_SHARE = 0.05
+
+
+@dataclass(frozen=True)
+class CycleLoad:
+    """What one cycle says about the rollout side's capacity."""
+
+    wait_s: float  # the learner waited for groups (the cycle's generate_wait_s)
+    train_s: float
+    buffered: int  # fresh groups left in the buffer after the batch was taken
+    batch: int  # groups a cycle trains on (unique_prompts)
+    starting: int  # workers asked for that do not serve yet (a node being added, an engine loading)
+
+
+def next_worker_count(n: int, lo: int, hi: int, load: CycleLoad) -> int:
+    """The worker count after a cycle: one more while the learner waits for data, one fewer while a batch of groups
+    waits for the learner, never past [lo, hi], and no growth while a worker asked for is still starting (its
+    node may be on its way)."""
+    n_bounded = min(max(n, lo), hi)
+    if n_bounded != n:
+        return n_bounded
+    if load.wait_s > GROW_WAIT_SHARE * load.train_s and load.starting == 0:
+        return min(n + 1, hi)
+    if load.wait_s < SHRINK_WAIT_SHARE * load.train_s and load.buffered >= load.batch:
+        return max(n - 1, lo)
+    return n
+
+
+def request_rollout_resources(n: int, bundle: dict, learner: list[dict]) -> None:
+    """Ray's autoscaler keeps room for n rollout workers and the learner ranks (what it is asked for replaces the last
+    request: a smaller one lets idle nodes go)."""
+    from ray.autoscaler.sdk import request_resources
+
+    request_resources(bundles=[dict(bundle) for _ in range(n)] + [dict(b) for b in learner])
+
+
+def bundle_of(resources) -> dict:
+    """A role's resources (cluster.rollout_resources / learner_resources) as a Ray resource bundle."""
+    b = {"CPU": resources.num_cpus, "GPU": resources.num_gpus, **resources.resources}
+    return {k: v for k, v in b.items() if v}
