@@ -414,7 +414,7 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
         # the learner process's own peaks (torch's allocator; colocated, the engine's tensors too) beside nvidia-smi's
         "learner_peak_allocated_gib": top("learner/peak_allocated_gib"),
         "learner_peak_reserved_gib": top("learner/peak_reserved_gib"),
-        "learner_nodes": placed.get("Learner", []), "rollout_nodes": placed.get("RolloutWorker", []),
+        "learner_nodes": placed.get("LearnerActor", []) + placed.get("ColocatedWorker", []), "rollout_nodes": placed.get("RolloutWorker", []),
         **{f"learner_{p}_s": med(f"learner/time/{p}_s") for p in ("prepare", "forwards", "finish")},
     }
     out.update({k2: v for k2, v in gpu_stats.items()})
