@@ -354,14 +354,15 @@ def run_tandem_nodes(paths, wl, k, args) -> dict:
         stop([node, head])
 
 
-def actor_nodes(ray) -> dict:
-    """{actor class: [node id, ...]} of the job's live actors (where the learner and the workers run)."""
-    from ray.util.state import list_actors
+def actor_nodes(ray, ctl) -> dict:
+    """The Ray node ids of the job's learner ranks and rollout workers, asked of the actors through the controller."""
+    def ask(self):
+        import ray
 
-    out: dict = {}
-    for a in list_actors(filters=[("state", "=", "ALIVE")]):
-        out.setdefault(a.class_name, []).append(a.node_id)
-    return out
+        def node(a):
+            return ray.get(a.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id()))
+        return {"learner": [node(a) for a in self.learner.actors], "rollout": [node(w) for w in self.workers]}
+    return ray.get(ctl.__ray_call__.remote(ask))
 
 
 def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
@@ -373,7 +374,7 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
     ray = start_ray(address, cfg)
     pss = PeakPSS() if not gpu else None
     ctl = start_controller(ray, cfg)
-    placed = actor_nodes(ray)
+    placed = actor_nodes(ray, ctl)
     rows, first_step_s, stop, cpu, step_s = [], None, None, None, []
     for i in range(wl["warmup"] + wl["steps"]):
         if i == wl["warmup"]:
@@ -414,7 +415,7 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
         # the learner process's own peaks (torch's allocator; colocated, the engine's tensors too) beside nvidia-smi's
         "learner_peak_allocated_gib": top("learner/peak_allocated_gib"),
         "learner_peak_reserved_gib": top("learner/peak_reserved_gib"),
-        "learner_nodes": placed.get("LearnerActor", []) + placed.get("ColocatedWorker", []), "rollout_nodes": placed.get("RolloutWorker", []),
+        "learner_nodes": placed["learner"], "rollout_nodes": placed["rollout"],
         **{f"learner_{p}_s": med(f"learner/time/{p}_s") for p in ("prepare", "forwards", "finish")},
     }
     out.update({k2: v for k2, v in gpu_stats.items()})

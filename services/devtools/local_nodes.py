@@ -5,6 +5,7 @@ The multi-node tests and the two-node GPU benchmark (bench/e2e.py) use them."""
 
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -13,6 +14,10 @@ import time
 from pathlib import Path
 
 BINDIR = os.path.dirname(sys.executable)
+# the `ray` command: the script beside this Python, else Ray's CLI run by this Python (a machine where Ray's package
+# was put on sys.path without its scripts, as the GPU machine's)
+RAY = os.path.join(BINDIR, "ray") if os.path.exists(os.path.join(BINDIR, "ray")) else \
+    f"{sys.executable} -m ray.scripts.scripts"
 
 
 def free_port() -> int:
@@ -46,7 +51,7 @@ def start_head(env: dict, temp: str, num_cpus: int, num_gpus: float | None = Non
                resources: dict | None = None) -> tuple[subprocess.Popen, str]:
     """`ray start --head --block` (its dashboard on loopback). -> (the process, the GCS address)."""
     port = free_port()
-    cmd = (f"exec {BINDIR}/ray start --head --block --num-cpus={num_cpus} {_resources(num_gpus, resources)}"
+    cmd = (f"exec {RAY} start --head --block --num-cpus={num_cpus} {_resources(num_gpus, resources)}"
            "--dashboard-host=127.0.0.1 "
            f"--temp-dir={temp} --port={port} " + _ports(("dashboard-port", "dashboard-agent-listen-port",
                                                         "dashboard-agent-grpc-port", "runtime-env-agent-port",
@@ -56,7 +61,7 @@ def start_head(env: dict, temp: str, num_cpus: int, num_gpus: float | None = Non
     gcs = f"127.0.0.1:{port}"
     for _ in range(90):  # up once `ray status` answers: a node started before would time out joining it
         assert head.poll() is None, "the Ray head exited"
-        if subprocess.run([f"{BINDIR}/ray", "status", f"--address={gcs}"], env=env, capture_output=True).returncode == 0:
+        if subprocess.run([*shlex.split(RAY), "status", f"--address={gcs}"], env=env, capture_output=True).returncode == 0:
             return head, gcs
         time.sleep(1)
     raise AssertionError("the Ray head did not answer `ray status` within 90 s")
@@ -70,7 +75,7 @@ def start_node(gcs: str, env: dict, resources: dict, num_cpus: int, hide: list[P
 
     low = free_port() // 100 * 100 % 50000 + 10000
     temp = tempfile.mkdtemp(prefix="ray")  # its own: two nodes in one session directory share socket names
-    ray_start = (f"exec {BINDIR}/ray start --address={gcs} --block --num-cpus={num_cpus} --temp-dir={temp} "
+    ray_start = (f"exec {RAY} start --address={gcs} --block --num-cpus={num_cpus} --temp-dir={temp} "
                  f"{_resources(num_gpus, resources)}--min-worker-port={low} --max-worker-port={low + 99} "
                  + _ports(("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
                            "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")))
@@ -88,7 +93,7 @@ def wait_for_resource(gcs: str, env: dict, resource: str, count: int, procs: lis
     for _ in range(90):
         for p in procs:
             assert p.poll() is None, p.stderr.read()[-3000:]
-        status = subprocess.run([f"{BINDIR}/ray", "status", f"--address={gcs}"], env=env, capture_output=True,
+        status = subprocess.run([*shlex.split(RAY), "status", f"--address={gcs}"], env=env, capture_output=True,
                                 text=True).stdout
         if re.search(rf"/{count}\.0 {resource}\b", status):
             return
