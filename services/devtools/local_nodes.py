@@ -48,10 +48,10 @@ def _resources(num_gpus: float | None, resources: dict | None) -> str:
 
 
 def start_head(env: dict, temp: str, num_cpus: int, num_gpus: float | None = None,
-               resources: dict | None = None) -> tuple[subprocess.Popen, str]:
+               resources: dict | None = None, port: int | None = None, extra: str = "") -> tuple[subprocess.Popen, str]:
     """`ray start --head --block` (its dashboard on loopback). -> (the process, the GCS address)."""
-    port = free_port()
-    cmd = (f"exec {RAY} start --head --block --num-cpus={num_cpus} {_resources(num_gpus, resources)}"
+    port = port or free_port()
+    cmd = (f"exec {RAY} start --head --block --num-cpus={num_cpus} {_resources(num_gpus, resources)}{extra}"
            "--dashboard-host=127.0.0.1 "
            f"--temp-dir={temp} --port={port} " + _ports(("dashboard-port", "dashboard-agent-listen-port",
                                                         "dashboard-agent-grpc-port", "runtime-env-agent-port",
@@ -65,6 +65,34 @@ def start_head(env: dict, temp: str, num_cpus: int, num_gpus: float | None = Non
             return head, gcs
         time.sleep(1)
     raise AssertionError("the Ray head did not answer `ray status` within 90 s")
+
+
+def start_autoscaling_head(env: dict, temp: str, head_cpus: int, worker_node_types: dict,
+                           idle_timeout_minutes: float) -> tuple[subprocess.Popen, str]:
+    """A head whose autoscaler starts and stops nodes of `worker_node_types` on this machine (Ray's fake multi-node
+    provider, as ray.cluster_utils.AutoscalingCluster sets it up, without its `ray stop --force` of every Ray of the
+    machine). -> (the process, the GCS address)."""
+    import json
+    import tempfile
+
+    port = free_port()
+    config = {  # the launcher config of Ray's fake_multi_node/example.yaml (not shipped in Ray's wheel)
+        "cluster_name": "tandem_local", "head_node_type": "ray.head.default", "upscaling_speed": 1.0,
+        "max_workers": sum(t.get("max_workers", 0) for t in worker_node_types.values()),
+        "idle_timeout_minutes": idle_timeout_minutes,
+        "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
+                     "disable_launch_config_check": True, "gcs_address": f"127.0.0.1:{port}"},
+        "available_node_types": {**worker_node_types, "ray.head.default": {
+            "resources": {"CPU": head_cpus}, "node_config": {}, "max_workers": 0}},
+        "auth": {}, "docker": {}, "file_mounts": {}, "cluster_synced_files": [],
+        "file_mounts_sync_continuously": False, "rsync_exclude": [], "rsync_filter": [],
+        **{k: [] for k in ("initialization_commands", "setup_commands", "head_setup_commands",
+                           "worker_setup_commands", "head_start_ray_commands", "worker_start_ray_commands")}}
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.write(fd, json.dumps(config).encode())
+    os.close(fd)
+    env = dict(env, AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_FAKE_CLUSTER="1")
+    return start_head(env, temp, head_cpus, port=port, extra=f"--autoscaling-config={path} ")
 
 
 def start_node(gcs: str, env: dict, resources: dict, num_cpus: int, hide: list[Path] = (),
@@ -101,8 +129,27 @@ def wait_for_resource(gcs: str, env: dict, resource: str, count: int, procs: lis
     raise AssertionError(f"{count} {resource} never listed by ray status:\n{status}")
 
 
+def descendants(pid: int) -> list[int]:
+    kids: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            kids.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.append(k)
+            todo.append(k)
+    return out
+
+
 def stop(procs: list[subprocess.Popen]) -> None:
-    """`ray start --block` drains and stops what it started on SIGTERM."""
+    """`ray start --block` drains and stops what it started on SIGTERM; what outlives it (the nodes an autoscaler's
+    fake provider started, which are not its children's to stop) is killed."""
+    import signal
+
+    tree = [d for p in procs for d in descendants(p.pid)]
     for p in procs:
         if p.poll() is None:
             p.terminate()
@@ -112,3 +159,8 @@ def stop(procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
         shutil.rmtree(getattr(p, "temp", ""), ignore_errors=True)
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -51,3 +51,29 @@ def bundle_of(resources) -> dict:
     """A role's resources (cluster.rollout_resources / learner_resources) as a Ray resource bundle."""
     b = {"CPU": resources.num_cpus, "GPU": resources.num_gpus, **resources.resources}
     return {k: v for k, v in b.items() if v}
+
+
+def request_job_resources(cfg, rollout_workers: int) -> None:
+    """What the job needs with this many rollout workers, as one request to Ray's autoscaler."""
+    c = cfg.cluster
+    request_rollout_resources(rollout_workers, bundle_of(c.rollout_resources),
+                              [bundle_of(c.learner_resources)] * c.num_processes)
+
+
+def autoscale(cfg, pool, load: CycleLoad, counters) -> str | None:
+    """After a cycle of a job with cluster.autoscale: the pool's worker count moved (applied at the next feed: a new
+    worker starts with the current adapter, a removed one finishes what it holds) and Ray's autoscaler told.
+    -> the line saying why, or None when the count stays."""
+    a = cfg.cluster.autoscale
+    if a is None:
+        return None
+    n = pool.target
+    m = next_worker_count(n, a.min_rollout_workers, a.max_rollout_workers, load)
+    if m == n:
+        return None
+    pool.scale(m)
+    counters["scale_events"] += 1
+    request_job_resources(cfg, m)
+    why = (f"the learner waited {load.wait_s:.2f} s for groups, training {load.train_s:.2f} s" if m > n else
+           f"{load.buffered} groups waited in the buffer, the learner {load.wait_s:.2f} s")
+    return f"tandem: autoscale: rollout workers {n} -> {m} ({why})"

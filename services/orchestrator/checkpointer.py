@@ -22,7 +22,8 @@ RESUMABLE_CHANGES = {("batch", "max_steps"), ("batch", "num_train_epochs"), ("ch
                      ("cluster", "rollout_prompts_in_flight"), ("cluster", "vllm_enforce_eager"),
                      ("cluster", "vllm_merge_adapter"),
                      ("cluster", "vllm_gpu_memory_utilization"), ("cluster", "vllm_max_num_seqs"), ("cluster", "max_restarts"),
-                     ("eval", None), ("tool_isolation", None)}
+                     ("eval", None), ("tool_isolation", None),
+                     ("cluster", "autoscale")}
 
 
 def _digest(obj) -> str:

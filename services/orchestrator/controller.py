@@ -35,6 +35,12 @@ from tandem.core.plan import BatchPlan
 from tandem.core.protocol import errors_as_text
 from tandem.core.storage import Location, RunMirror, Store, is_uri, run_mirror
 from tandem.rollout.episodes import episode_metrics
+from tandem.services.orchestrator.autoscale import (
+    CycleLoad,
+    autoscale,
+    request_job_resources,
+    request_rollout_resources,
+)
 from tandem.services.orchestrator.checkpointer import Checkpointer, fingerprint, fingerprint_changes, rows_digest
 from tandem.services.orchestrator.data import prompt_table, read_dataset
 from tandem.services.orchestrator.epoch_record import EpochRecord, TrainedRecord
@@ -164,6 +170,8 @@ class Controller:
         p.total_steps = p.total_cycles * self.plan.optimizer_steps_per_cycle
         if cfg.checkpoint.resume:
             self.checkpoints.refuse_if_none_readable()  # in a second, not after every actor started
+        if cfg.cluster.autoscale:  # before the wait: a node the autoscaler adds is one it was asked for
+            request_job_resources(cfg, cfg.cluster.num_rollout_workers)
         self._wait_for_nodes(resource_wait_s)
         self._start_actors()
         self.log.trackers = Trackers(cfg)
@@ -269,10 +277,17 @@ class Controller:
         with stage("record"):
             self._record(steps)
             self._push()
+        self._autoscale(stage.seconds)
         return {"version": self.version, "steps": steps, "done": self._done()}
 
     def _done(self) -> bool:
         return self.cycle >= self.total_cycles
+
+    def _autoscale(self, t: dict) -> None:
+        load = CycleLoad(wait_s=t["collect"], train_s=t["train"], buffered=len(self.buffer),
+                         batch=self.plan.unique_prompts, starting=len(self.pool.starting(0)))
+        if line := autoscale(self.cfg, self.pool, load, self.counters):
+            say(line)
 
     def _evaluate_on_start(self) -> None:
         if self.cycle == 0 and self.evaluator and self.cfg.eval.eval_on_start and not self.log.has_step(0):
@@ -414,6 +429,7 @@ class Controller:
             "publish_s": t["publish"],  # export + publish
             "publish_latency_s": self.progress.publish_latency_s, "cycle_s": time.time() - stage.t0,
             "queue_depth": len(self.buffer) + self.pool.in_flight(), "prompts_in_flight": self.pool.in_flight(),
+            "cluster/rollout_workers": self.pool.target, "cluster/scale_events": self.counters["scale_events"],
             "staleness_hist": {str(k): v for k, v in sorted(lags.items())},
             **rollout_rates(before, self._rollout_stats()),
             **{f"count/{k}": v for k, v in self.counters.items()},
@@ -527,6 +543,8 @@ class Controller:
         self._push()  # the trackers' last files
         if self.learner is not None:
             self.learner.shutdown()
+        if self.cfg.cluster.autoscale:
+            request_rollout_resources(0, {}, [])  # the job's request withdrawn: its nodes may go once idle
 
 
 def parts_state(st: dict, rows: int) -> dict:

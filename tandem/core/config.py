@@ -261,8 +261,22 @@ class Resources(_Section):
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources")
 
 
+class AutoscaleConfig(_Section):
+    """Bounds of the rollout worker count the controller moves after each cycle (services/orchestrator/autoscale.py)."""
+
+    min_rollout_workers: int = Field(1, ge=1, description="fewest rollout workers")
+    max_rollout_workers: int = Field(description="most rollout workers", ge=1)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscaleConfig:
+        if self.min_rollout_workers > self.max_rollout_workers:
+            raise ValueError(f"cluster.autoscale: min_rollout_workers = {self.min_rollout_workers} > "
+                             f"max_rollout_workers = {self.max_rollout_workers}; allowed: min <= max")
+        return self
+
+
 class ClusterConfig(_Section):
-    num_rollout_workers: int = Field(1, ge=1, description="RolloutWorker actors")
+    num_rollout_workers: int = Field(1, ge=1, description="RolloutWorker actors (at the start, with autoscale)")
     rollout_resources: Resources = Field(default_factory=Resources, description="per rollout worker")
     num_processes: int = Field(1, ge=1, description="learner processes (one DeepSpeed rank each)")
     learner_resources: Resources = Field(default_factory=Resources, description="per learner process")
@@ -301,6 +315,21 @@ class ClusterConfig(_Section):
     max_worker_restarts: int = Field(8, ge=0, le=1000, description="times one rollout worker is replaced in a row, "
                                      "no group coming back from it in between, before the job stops (a crash loop); "
                                      "the prompts a worker died on twice are failed, not handed out again")
+    autoscale: AutoscaleConfig | None = Field(
+        None, description="{min_rollout_workers, max_rollout_workers}: after each cycle one rollout worker more while "
+        "the learner waited for groups longer than 0.2 x its training time, one fewer while a batch of groups "
+        "waited in the buffer and the learner waited less than 0.05 x; Ray's autoscaler is asked for the "
+        "resources (request_resources), so it adds and removes nodes; null = the count stays "
+        "num_rollout_workers (`tandem scale` sets it by hand)")
+
+    @model_validator(mode="after")
+    def _start_within_bounds(self) -> ClusterConfig:
+        a = self.autoscale
+        if a is not None and not a.min_rollout_workers <= self.num_rollout_workers <= a.max_rollout_workers:
+            raise ValueError(f"cluster.num_rollout_workers = {self.num_rollout_workers}: outside cluster.autoscale's "
+                             f"bounds [{a.min_rollout_workers}, {a.max_rollout_workers}]; allowed: a start count "
+                             "within them")
+        return self
 
     @field_validator("vllm_gpu_memory_utilization")
     @classmethod

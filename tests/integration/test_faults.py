@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.services.devtools.local_nodes import descendants
 from tandem.services.orchestrator.controller import parts_state
 from tandem.services.orchestrator.epoch_record import EpochRecord
 from tests.helpers import ROOT, unmapped_semaphores
@@ -113,22 +114,6 @@ def test_errors_inside_the_actors_reach_the_user_as_one_line(ray_session, tmp_pa
     assert len(err.splitlines()) == 1 and err.startswith("tandem: ") and "Traceback" not in err, err
     log = tmp_path / "run" / "error.log"
     assert f"(traceback: {log})" in err and "Traceback" in log.read_text()
-
-
-def descendants(pid: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        kids.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for k in kids.get(todo.pop(), []):
-            out.append(k)
-            todo.append(k)
-    return out
 
 
 def actor_pid(head_pid: int, cls: str) -> int | None:
@@ -264,27 +249,6 @@ def test_every_death_on_a_ray_start_cluster_is_survived_and_sigterm_saves_within
     assert pending and not pending & {(i, e) for e, i in trained.pairs()}  # the slow cycle's prompts come back
     # no process of the job (its killed actors' included) left a semaphore behind
     assert wait_for(lambda: unmapped_semaphores() <= left_before, "the job's semaphores released", timeout=30)
-
-
-def test_the_colocated_actors_death_is_the_learners_and_the_job_restarts_from_its_checkpoint(ray_head, tmp_path,
-                                                                                              tiny_model):
-    """vllm_mode colocate: SIGKILL of the one actor holding rollout worker 0 and the learner restarts the job
-    from its newest checkpoint (a learner rank's death), which then ends: one metrics line a step, the adapter
-    written."""
-    p = start_cluster_run(ray_head, tmp_path, tiny_model, STEADY_REWARD, max_steps=8,
-                          cluster={"vllm_mode": "colocate", "max_restarts": 1})
-    try:
-        wait_for(lambda: newest_checkpoint_step(tmp_path / "run") >= 2, "a checkpoint")
-        os.kill(wait_for(lambda: actor_pid(ray_head["pid"], "ColocatedWorker"), "the colocated actor"), signal.SIGKILL)
-        out, _ = p.communicate(timeout=300)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    assert p.returncode == 0, out[-4000:]
-    assert "restart 1 of 1 from the newest checkpoint" in out and "resumed from checkpoint: " in out, out[-4000:]
-    steps = [x["step"] for x in lines(tmp_path / "run" / "metrics.jsonl")]
-    assert steps == list(range(1, 9)), steps  # the rolled-back steps trained again, their lines cut
-    assert (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
 
 
 def test_sigterm_while_the_job_starts_ends_it_in_one_line(ray_head, tmp_path, tiny_model):

@@ -46,7 +46,7 @@ def test_a_node_that_cannot_see_the_jobs_files_is_named_in_the_refusal(ray_head,
 
     import yaml
 
-    from tests.helpers.nodes import BINDIR, start_node, stop, wait_for_resource, why_no_private_mounts
+    from tandem.services.devtools.local_nodes import BINDIR, start_node, stop, wait_for_resource, why_no_private_mounts
 
     if why := why_no_private_mounts():
         pytest.skip(why)

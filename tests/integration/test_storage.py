@@ -52,41 +52,50 @@ def bucket_files(s3_env: dict, prefix: str) -> dict[str, bytes]:
 
 
 def test_a_run_in_a_bucket_survives_the_loss_of_its_learners_node_and_exports_from_it(s3, tmp_path, tiny_model):
-    """A `ray start` head (the controller, the rollout worker) and two nodes with a `learner` resource, each in a
-    mount namespace of its own with an empty tmpfs over the job's directory and the staging directory (where
-    `unshare -m` is not allowed here they see this machine's files, and the rest is the same). The run directory
-    is an S3 bucket. After the first checkpoint reaches the bucket, every process of the learner's node is killed:
-    the job restarts, its learner starts on the other node and resumes from the bucket's newest checkpoint; the
-    bucket then holds one metrics line per step, the checkpoints save_total_limit keeps, the adapter and the plot,
-    and `tandem export` merges the adapter it reads from there."""
+    """A `ray start` head (the controller) and two nodes with a `learner` resource, each in a mount namespace of its
+    own with an empty tmpfs over the job's directory (the job file and its data, which the controller reads once) and
+    the staging directory (the reward file lies elsewhere, as code every node has; where `unshare -m` is not allowed
+    here they see this machine's files, and the rest is the same); `vllm_mode: colocate`, so one actor on a learner
+    node holds the learner and rollout worker 0. The run directory is an S3 bucket. After the first checkpoint
+    reaches the bucket, every process of that node is killed: the colocated actor's death is the learner's, the job
+    restarts, its actor starts on the other node and resumes from the bucket's newest checkpoint; the bucket then
+    holds one metrics line per step, the checkpoints save_total_limit keeps, the adapter and the plot, and
+    `tandem export` merges the adapter it reads from there."""
     import secrets
     import tempfile
 
     import yaml
 
-    from tests.helpers.nodes import BINDIR, start_head, start_node, stop, wait_for_resource, why_no_private_mounts
-    from tests.integration.test_faults import descendants
+    from tandem.services.devtools.local_nodes import (
+        BINDIR,
+        descendants,
+        start_head,
+        start_node,
+        stop,
+        wait_for_resource,
+        why_no_private_mounts,
+    )
 
     private = why_no_private_mounts() is None
     job_dir, staging = tmp_path / "job", tmp_path / "staging"
     job_dir.mkdir()
     staging.mkdir()
-    (job_dir / "reward.py").write_text(STEADY_REWARD)
+    (tmp_path / "reward.py").write_text(STEADY_REWARD)
     (job_dir / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{a} + {a}"}) + "\n" for a in range(16)))
     uri = f"s3://{BUCKET}/jobs/run"
     (job_dir / "job.yaml").write_text(yaml.safe_dump({
         "model": {"path": tiny_model, "dtype": "float32", "lora": {"r": 8, "lora_alpha": 16}},
-        "data": {"path": "data.jsonl"}, "rewards": ["reward.py:r"],
+        "data": {"path": "data.jsonl"}, "rewards": [f"{tmp_path / 'reward.py'}:r"],
         "generation": {"max_prompt_length": 64, "max_completion_length": 8},
         "batch": {"num_generations": 4, "per_device_train_batch_size": 8, "max_steps": 8},
         "optimizer": {"learning_rate": 1e-2}, "checkpoint": {"save_steps": 2, "save_total_limit": 2},
-        "cluster": {"learner_resources": {"num_cpus": 1, "resources": {"learner": 1}}},
+        "cluster": {"vllm_mode": "colocate", "learner_resources": {"num_cpus": 1, "resources": {"learner": 1}}},
         "logging": {"output_dir": uri, "progress": False}}))
     env = dict(os.environ, **s3, TANDEM_STAGING_DIR=str(staging), RAY_AUTH_MODE="token",
                RAY_AUTH_TOKEN=secrets.token_hex(16), PATH=BINDIR + os.pathsep + os.environ["PATH"],
-               RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3")  # a lost node in ~3 s
-    head, gcs = start_head(env, tempfile.mkdtemp(prefix="ray"), num_cpus=2)  # short: socket paths < 108 bytes
-    nodes = [start_node(gcs, env, {"learner": 1}, 1, hide=[job_dir, staging] if private else []) for _ in range(2)]
+               RAY_health_check_period_ms="500", RAY_health_check_failure_threshold="3")  # a lost node in ~2 s
+    head, gcs = start_head(env, tempfile.mkdtemp(prefix="ray"), num_cpus=1)  # short: socket paths < 108 bytes
+    nodes = [start_node(gcs, env, {"learner": 1}, 2, hide=[job_dir, staging] if private else []) for _ in range(2)]
     text: list[str] = []
     p = None
     try:
@@ -102,7 +111,7 @@ def test_a_run_in_a_bucket_survives_the_loss_of_its_learners_node_and_exports_fr
             return check
 
         def learner_node() -> int | None:
-            return next((i for i, n in enumerate(nodes) if actor_pid(n.pid, "Learner")), None)
+            return next((i for i, n in enumerate(nodes) if actor_pid(n.pid, "ColocatedWorker")), None)
         wait_for(running(lambda: checkpoints(s3) and learner_node() is not None), "a checkpoint in the bucket",
                  log=lambda: "".join(text))
         lost = learner_node()
