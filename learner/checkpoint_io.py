@@ -90,7 +90,7 @@ def save_artifact(learner, directory: Path) -> None:
     cfg = learner.cfg
     if cfg.model.lora is not None:
         m = cfg.model  # a Hub id stays the base's name (as peft writes it), a local path is made absolute
-        base = m.path if is_hub_id(m.path) else str(Path(m.path).resolve())
+        base = m.path if is_hub_id(m.path) or is_uri(m.path) else str(Path(m.path).resolve())
         write_peft_adapter(directory / ADAPTER_DIR, sd, m.lora, base, m.revision)
         return
     from transformers import AutoTokenizer

@@ -85,10 +85,56 @@ def offline_where_unreachable():
 
 
 def model_dir(path: str, revision: str | None = None) -> str:
-    """The local directory of `model.path`: the path itself, or the Hub id's snapshot in this node's cache
-    (downloaded there first where the Hub can be reached). A missing id is one JobConfigError naming it, the
-    revision and the cache searched."""
+    """The local directory of `model.path`: the path itself, the Hub id's snapshot in this node's cache
+    (downloaded there first where the Hub can be reached), or a storage URI's copy in this node's cache. A missing
+    id is one JobConfigError naming it, the revision and the cache searched."""
+    from tandem.core.storage import is_uri
+
+    if is_uri(path):
+        return stored_model(path)
     return _snapshot(path, revision) if is_hub_id(path) else path
+
+
+MODEL_CACHE_ENV = "TANDEM_MODEL_CACHE"
+
+
+@functools.lru_cache(maxsize=8)
+def stored_model(uri: str) -> str:
+    """A model at a storage URI (s3://bucket/models/name), copied once per node into its cache (TANDEM_MODEL_CACHE,
+    default ~/.cache/tandem/models): a lock keeps a node's processes from copying it twice, and a manifest of the
+    files' sizes, written last, says the copy is whole and still the URI's (a changed model is copied again)."""
+    import fcntl
+    import hashlib
+    import json
+    import os
+    import shutil
+
+    from tandem.core.storage import Store, basename, first_line
+
+    root = Path(os.environ.get(MODEL_CACHE_ENV) or Path.home() / ".cache" / "tandem" / "models")
+    local = root / f"{basename(uri)}-{hashlib.sha256(uri.encode()).hexdigest()[:12]}"
+    manifest = local / ".tandem-manifest.json"
+    try:
+        store = Store(uri)
+        files = {f: store.size(f) for f in store.files()}
+    except OSError as e:
+        raise JobConfigError(f"model.path = {uri!r}: this node cannot read it ({first_line(e)}); allowed: a storage "
+                             "URI whose credentials and endpoint this node's environment gives") from None
+    if "config.json" not in files:
+        raise JobConfigError(f"model.path = {uri!r}: no config.json there; allowed: a transformers model directory "
+                             "copied to the storage URI, a local directory or a Hub model id")
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{local.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (manifest.is_file() and json.loads(manifest.read_text()) == files):
+            shutil.rmtree(local, ignore_errors=True)
+            try:
+                store.download("", local)
+            except OSError as e:
+                shutil.rmtree(local, ignore_errors=True)
+                raise JobConfigError(f"model.path = {uri!r}: copying it to {local} failed ({first_line(e)})") from None
+            manifest.write_text(json.dumps(files))
+    return str(local)
 
 
 @functools.lru_cache(maxsize=8)  # a process resolves its job's model once (every load site asks)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -23,29 +24,31 @@ BUCKET = "tandem-runs"
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """moto's S3 server on a free port, one bucket; -> the environment a node gives pyarrow and boto3."""
-    boto3 = pytest.importorskip("boto3")
-    from moto.server import ThreadedMotoServer
+    from moto.server import ThreadedMotoServer  # the dev extra's: `make install` brings it
 
-    from tests.conftest import _free_port
+    from tandem.services.devtools.local_nodes import free_port
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     env = {"AWS_ACCESS_KEY_ID": "tandem-test", "AWS_SECRET_ACCESS_KEY": "tandem-test", "AWS_DEFAULT_REGION":
            "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_EC2_METADATA_DISABLED": "true"}
-    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="tandem-test",
-                 aws_secret_access_key="tandem-test", region_name="us-east-1").create_bucket(Bucket=BUCKET)
+    s3_client(env).create_bucket(Bucket=BUCKET)
     yield env
     server.stop()
 
 
-def bucket_files(s3_env: dict, prefix: str) -> dict[str, bytes]:
-    """Every object under prefix, read back with boto3 (not with the code under test)."""
+def s3_client(s3_env: dict):
     import boto3
 
-    c = boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"], aws_access_key_id="tandem-test",
-                     aws_secret_access_key="tandem-test", region_name="us-east-1")
+    return boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"], aws_access_key_id="tandem-test",
+                        aws_secret_access_key="tandem-test", region_name="us-east-1")
+
+
+def bucket_files(s3_env: dict, prefix: str) -> dict[str, bytes]:
+    """Every object under prefix, read back with boto3 (not with the code under test)."""
+    c = s3_client(s3_env)
     keys = [o["Key"] for page in c.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
             for o in page.get("Contents", [])]
     return {k[len(prefix):]: c.get_object(Bucket=BUCKET, Key=k)["Body"].read() for k in keys}
@@ -60,7 +63,8 @@ def test_a_run_in_a_bucket_survives_the_loss_of_its_learners_node_and_exports_fr
     reaches the bucket, every process of that node is killed: the colocated actor's death is the learner's, the job
     restarts, its actor starts on the other node and resumes from the bucket's newest checkpoint; the bucket then
     holds one metrics line per step, the checkpoints save_total_limit keeps, the adapter and the plot, and
-    `tandem export` merges the adapter it reads from there."""
+    `tandem export` merges the adapter it reads from there. The model too is read from the bucket: each node copies
+    it once into its own cache (the learner nodes' caches are private), and the adapter names the URI as its base."""
     import secrets
     import tempfile
 
@@ -82,16 +86,20 @@ def test_a_run_in_a_bucket_survives_the_loss_of_its_learners_node_and_exports_fr
     staging.mkdir()
     (tmp_path / "reward.py").write_text(STEADY_REWARD)
     (job_dir / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{a} + {a}"}) + "\n" for a in range(16)))
-    uri = f"s3://{BUCKET}/jobs/run"
+    uri, model_uri = f"s3://{BUCKET}/jobs/run", f"s3://{BUCKET}/models/tiny"
+    client = s3_client(s3)
+    for f in Path(tiny_model).iterdir():  # the model as a user keeps it in a bucket; each node copies it once
+        client.upload_file(str(f), BUCKET, f"models/tiny/{f.name}")
     (job_dir / "job.yaml").write_text(yaml.safe_dump({
-        "model": {"path": tiny_model, "dtype": "float32", "lora": {"r": 8, "lora_alpha": 16}},
+        "model": {"path": model_uri, "dtype": "float32", "lora": {"r": 8, "lora_alpha": 16}},
         "data": {"path": "data.jsonl"}, "rewards": [f"{tmp_path / 'reward.py'}:r"],
         "generation": {"max_prompt_length": 64, "max_completion_length": 8},
         "batch": {"num_generations": 4, "per_device_train_batch_size": 8, "max_steps": 8},
         "optimizer": {"learning_rate": 1e-2}, "checkpoint": {"save_steps": 2, "save_total_limit": 2},
         "cluster": {"vllm_mode": "colocate", "learner_resources": {"num_cpus": 1, "resources": {"learner": 1}}},
         "logging": {"output_dir": uri, "progress": False}}))
-    env = dict(os.environ, **s3, TANDEM_STAGING_DIR=str(staging), RAY_AUTH_MODE="token",
+    env = dict(os.environ, **s3, TANDEM_STAGING_DIR=str(staging), TANDEM_MODEL_CACHE=str(staging / "models"),
+               RAY_AUTH_MODE="token",
                RAY_AUTH_TOKEN=secrets.token_hex(16), PATH=BINDIR + os.pathsep + os.environ["PATH"],
                RAY_health_check_period_ms="500", RAY_health_check_failure_threshold="3")  # a lost node in ~2 s
     head, gcs = start_head(env, tempfile.mkdtemp(prefix="ray"), num_cpus=1)  # short: socket paths < 108 bytes
@@ -142,6 +150,9 @@ def test_a_run_in_a_bucket_survives_the_loss_of_its_learners_node_and_exports_fr
     trained.load(parts_state(kept["cycle-000008"]["controller"], 16)["record"]["trained"])
     assert len(trained.pairs()) == 16  # 2 prompts a step, 8 steps: every row once
     assert "adapter/adapter_config.json" in files and "adapter/adapter_model.safetensors" in files
+    assert json.loads(files["adapter/adapter_config.json"])["base_model_name_or_path"] == model_uri
+    copies = list((staging / "models").glob("tiny-*/config.json"))  # the head's (the learner nodes' were private)
+    assert len(copies) == 1 and (copies[0].parent / "model.safetensors").is_file(), copies
     assert "reward.png" in files and not any(k.startswith((".tandem", "ray_address")) for k in files), sorted(files)
     assert not list(staging.glob("*/rank*")), "a learner's local copy of a checkpoint was left"
     merged = subprocess.run([sys.executable, "-m", "tandem.services.app.cli", "export", uri, "--merged",
