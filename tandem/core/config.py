@@ -54,8 +54,9 @@ class LoraConfig(_Section):
 
 class ModelConfig(_Section):
     path: str = Field(description="a transformers causal LM: a local directory (config.json inside) every node sees "
-                      "at this path, or a Hub id (org/name) resolved through each node's Hugging Face cache (HF_HOME, "
-                      "HF_HUB_OFFLINE); a local path wins")
+                      "at this path, a Hub id (org/name) resolved through each node's Hugging Face cache (HF_HOME, "
+                      "HF_HUB_OFFLINE), or a storage URI (s3://bucket/models/name, ...) each node copies once into "
+                      "its cache (TANDEM_MODEL_CACHE); a local path wins")
     revision: str | None = Field(None, description="with a Hub id: the branch, tag or commit; null = main")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="training/inference precision; float16 needs CUDA (loss scaling)"
