@@ -36,3 +36,17 @@ def unmapped_semaphores() -> set[str]:
     shm = Path("/dev/shm")
     names = {n for n in os.listdir(shm) if n.startswith("sem.mp-")} if shm.is_dir() else set()
     return names - mapped_names()
+
+
+def run_job_script(module: str, *args: str, timeout: float = 400) -> tuple[dict, list[str]]:
+    """`python -m module args...` (a job on a Ray cluster of its own, one Ray per process), which prints one
+    `RESULT {json}` line. -> (that JSON, the `tandem: ` lines it said)."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=timeout)
+    said = [ln for ln in p.stderr.splitlines() + p.stdout.splitlines() if ln.startswith("tandem: ")]
+    result = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert p.returncode == 0 and result, p.stderr[-4000:]
+    return json.loads(result[len("RESULT "):]), said

@@ -1,13 +1,9 @@
 """cluster.autoscale against Ray's own autoscaler (tests/integration/autoscale_job.py, a process of its own: one Ray
 per process): the worker count follows the load, nodes really start and stop, nothing is lost or trained twice."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import run_job_script
 
 pytestmark = pytest.mark.integration
 
@@ -18,12 +14,7 @@ def test_rollout_workers_follow_the_load_and_the_autoscaler_adds_and_removes_the
     and the added worker serves the adapter of the moment it joins and samples. Once the reward is instant a batch of groups
     waits in the buffer: one worker fewer, it stops once its prompts came back, and its idle node is removed.
     Every step has its metrics line, every prompt is trained once."""
-    p = subprocess.run([sys.executable, "-m", "tests.integration.autoscale_job", str(tmp_path), tiny_model], cwd=ROOT,
-                       capture_output=True, text=True, timeout=400)
-    said = [ln for ln in p.stderr.splitlines() + p.stdout.splitlines() if ln.startswith("tandem: ")]
-    result = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert p.returncode == 0 and result, p.stderr[-4000:]
-    r = json.loads(result[len("RESULT "):])
+    r, said = run_job_script("tests.integration.autoscale_job", str(tmp_path), tiny_model)
     seen = [tuple(x) for x in r["seen"]]  # per step: (cluster/rollout_workers, live nodes with `rollout`)
     assert seen[0] == (1, 1), seen  # the autoscaler's first node, asked for before the workers started
     grown, shrunk = r["grown_at"], r["shrunk_at"]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import run_job_script
 
 pytestmark = pytest.mark.integration
 
@@ -18,12 +18,7 @@ def test_a_lost_rollout_node_costs_its_worker_and_groups_not_the_job(tmp_path, t
     waits for a node with `rollout` free, said in a line, while the job goes on with the other worker), the lost
     groups are sampled again before anything trains on them, and every cycle trains unique_prompts groups, none
     twice, each within the staleness bound."""
-    p = subprocess.run([sys.executable, "-m", "tests.integration.nodes_job", str(tmp_path), tiny_model], cwd=ROOT,
-                       capture_output=True, text=True, timeout=400)
-    said = [ln for ln in p.stderr.splitlines() + p.stdout.splitlines() if ln.startswith("tandem: ")]
-    result = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert p.returncode == 0 and result, p.stderr[-4000:]
-    r = json.loads(result[len("RESULT "):])
+    r, said = run_job_script("tests.integration.nodes_job", str(tmp_path), tiny_model)
     assert r["workers_on_nodes"] == 2  # one worker on each rollout node
     assert r["steps"] == [1, 2, 3, 4] and r["metrics_lines"] == 4
     assert r["trained"] == r["distinct"] == r["trained_record"] == 8  # 2 prompts a cycle, none twice
