@@ -56,7 +56,8 @@ class GRPOConfig:
             if k in SECTIONS and not isinstance(v, dict):
                 raise JobConfigError(f"GRPOConfig({k}={v!r}): Tandem's {k} section is a dict of its fields")
         self.trl = kwargs
-        self.job_sections = trl_to_sections(self._flat())  # refused now, as TRL's constructor refuses
+        # refused now, as TRL's constructor refuses; a name TRL lacks is the TypeError its dataclass raises
+        self.job_sections = trl_to_sections(self._flat(), caller="GRPOConfig.__init__()")
 
     def _flat(self) -> dict:
         return {**self.trl, **({"output_dir": self.output_dir} if self.output_dir is not None else {})}

@@ -95,10 +95,15 @@ _ADAMW = {"adamw_torch", "adamw_torch_fused", "adamw_hf"}
 _ADAMW_8BIT = {"adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adamw_bnb_8bit"}
 
 
-def trl_to_sections(flat: dict[str, Any]) -> dict[str, Any]:
-    """A flat TRL GRPOConfig dict -> Tandem's job sections (unsupported names refused, cosmetic ones warned)."""
+def trl_to_sections(flat: dict[str, Any], caller: str | None = None) -> dict[str, Any]:
+    """A flat TRL GRPOConfig dict -> Tandem's job sections (unsupported names refused, cosmetic ones warned). A name
+    TRL's GRPOConfig does not have is a TypeError from Python (`caller`: the constructor called, as a dataclass
+    names it), one of the refused names in a job file."""
     flat = _normalised(flat)
-    out, unsupported, ignored = _sections(flat)
+    out, unsupported, ignored, unknown = _sections(flat)
+    if unknown and caller:
+        raise TypeError(f"{caller} got an unexpected keyword argument {unknown[0]!r}")
+    unsupported += [f"{name}={flat[name]!r} (unknown GRPOConfig name)" for name in unknown]
     if not unsupported:
         out.setdefault("eval", {}).update(_eval_section(flat))
     if flat.get("save_strategy") == "no":  # after the loop: save_steps may come later in the dict
@@ -138,11 +143,12 @@ def _normalised(flat: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def _sections(flat: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[str]]:
-    """-> (Tandem's sections, names refused, names ignored)."""
+def _sections(flat: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[str], list[str]]:
+    """-> (Tandem's sections, names refused, names ignored, names TRL's GRPOConfig does not have)."""
     out: dict[str, Any] = {}
     unsupported: list[str] = []
     ignored: list[str] = []
+    unknown: list[str] = []
 
     def put(section: str, field: str, value: Any) -> None:
         if section:
@@ -185,8 +191,8 @@ def _sections(flat: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[str
         elif name in COSMETIC:
             ignored.append(name)
         else:
-            unsupported.append(f"{name}={value!r} (unknown GRPOConfig name)")
-    return out, unsupported, ignored
+            unknown.append(name)
+    return out, unsupported, ignored, unknown
 
 
 def _eval_section(flat: dict[str, Any]) -> dict[str, Any]:

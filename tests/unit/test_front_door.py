@@ -270,3 +270,31 @@ def test_functions_made_in_a_process_load_by_value_where_their_module_cannot_be_
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip()) == [2.5, 4.5]
+
+
+def test_a_name_trls_grpoconfig_lacks_is_pythons_type_error_and_every_name_it_has_is_classed(tmp_path):
+    """tandem.GRPOConfig (and a dict given as args) refuses an unknown keyword as TRL's dataclass does: TypeError,
+    naming it. Every field of the installed TRL's GRPOConfig is one Tandem maps, checks, ignores or refuses by
+    name, never "unknown" (the walk fails when a TRL release adds a field nobody classed). A job file's `trl:`
+    names stay a JobConfigError naming the field."""
+    import dataclasses
+    import warnings
+
+    from tandem.core.trl import _sections
+    from tandem.services.app.trainer import GRPOConfig
+
+    with pytest.raises(TypeError, match=r"^GRPOConfig.__init__\(\) got an unexpected keyword argument 'lerning_rate'$"):
+        GRPOConfig(str(tmp_path), lerning_rate=1e-5)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'num_genrations'"):
+        GRPOConfig.from_any({"num_genrations": 4}, str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import trl
+
+        defaults = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
+    unclassed = [f.name for f in dataclasses.fields(trl.GRPOConfig)
+                 if _sections({f.name: getattr(defaults, f.name)})[3]]
+    assert unclassed == [], unclassed
+    assert len(dataclasses.fields(trl.GRPOConfig)) > 150  # the walk saw TRL's fields, not an empty class
+    with pytest.raises(JobConfigError, match=r"lerning_rate=1e-05 \(unknown GRPOConfig name\)"):
+        JobConfig.from_trl({"lerning_rate": 1e-5}, model={"path": "m"}, data={"path": "d.jsonl"}, rewards=["r.py:f"])
