@@ -99,9 +99,13 @@ def start_node(gcs: str, env: dict, resources: dict, num_cpus: int, hide: list[P
                num_gpus: float | None = None) -> subprocess.Popen:
     """A node joined to the head at `gcs`; `hide`: paths it sees as empty directories (a tmpfs over each, in a mount
     namespace of its own). Its worker ports are a block of their own."""
+    import random
     import tempfile
 
-    low = free_port() // 100 * 100 % 50000 + 10000
+    # a block of its own between a head's default worker ports (10002-19999) and Linux's ephemeral range
+    # (32768-60999), where free_port's ports for the node's other components lie: a block drawn from that range once
+    # held the node's own dashboard agent port
+    low = random.randrange(20000, 32700, 100)
     temp = tempfile.mkdtemp(prefix="ray")  # its own: two nodes in one session directory share socket names
     ray_start = (f"exec {RAY} start --address={gcs} --block --num-cpus={num_cpus} --temp-dir={temp} "
                  f"{_resources(num_gpus, resources)}--min-worker-port={low} --max-worker-port={low + 99} "
