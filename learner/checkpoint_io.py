@@ -36,8 +36,7 @@ def save_checkpoint(learner, directory: str, extra: dict | None = None) -> str:
         save_rng(tmp / f"rng_rank{learner.rank}.safetensors")
         learner.barrier()
         if learner.rank == 0:
-            (tmp / "tandem.json").write_text(json.dumps({"version": learner.version, "steps": learner.steps,
-                                                         **(extra or {})}))
+            (tmp / "tandem.json").write_text(checkpoint_meta(learner, extra))
     except (OSError, RuntimeError) as e:  # a full disk surfaces as torch's "unexpected pos ..." too
         shutil.rmtree(tmp, ignore_errors=True)
         usage = shutil.disk_usage(final.parent) if final.parent.exists() else None
@@ -69,8 +68,7 @@ def save_to_storage(learner, uri: str, extra: dict | None) -> str:
         store.upload(local)
         learner.barrier()
         if learner.rank == 0:
-            store.write_bytes("tandem.json", json.dumps({"version": learner.version, "steps": learner.steps,
-                                                         **(extra or {})}).encode())
+            store.write_bytes("tandem.json", checkpoint_meta(learner, extra).encode())
     except (OSError, RuntimeError) as e:
         raise CheckpointWriteError(f"checkpoint: writing {uri} failed ({type(e).__name__}: {first_line(e)}): it has "
                                    "no tandem.json, so it is never resumed from; the previous checkpoints are kept; "
@@ -79,6 +77,11 @@ def save_to_storage(learner, uri: str, extra: dict | None) -> str:
         shutil.rmtree(local, ignore_errors=True)
     learner.barrier()
     return uri
+
+
+def checkpoint_meta(learner, extra: dict | None) -> str:
+    """tandem.json: the learner's version and steps, and what the caller keeps with them (the controller's state)."""
+    return json.dumps({"version": learner.version, "steps": learner.steps, **(extra or {})})
 
 
 def save_artifact(learner, directory: Path) -> None:

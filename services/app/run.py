@@ -416,13 +416,13 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float, datasets: dict 
 def print_summary(cfg, out, path: str | None, artifact, t_start: float) -> None:
     """What the run did, from its record: the reward at the start and the end, the evaluations, the steps
     trained, where the metrics, the plot, the checkpoint and the artifact are."""
-    from tandem.core.storage import Location, run_mirror
+    from tandem.core.storage import Location, Store, is_uri
     from tandem.services.app.plot import plot_run, read_metrics
 
     here = Path(cfg.run_dir)
     png = plot_run(here / "metrics.jsonl", here / "reward.png")
-    if mirror := run_mirror(cfg):
-        mirror.push()
+    if is_uri(cfg.logging.output_dir):  # the other run files the controller copied as it wrote them
+        Store(cfg.logging.output_dir).put_file(png, "reward.png")
         png = Location(cfg.logging.output_dir) / "reward.png"
     out_dir = Location(cfg.logging.output_dir)
     lines = read_metrics(here / "metrics.jsonl")

@@ -360,7 +360,8 @@ def check_shared_dir(output_dir: str, probe: str | None, who: str) -> None:
         return
     name = Location(probe).name
     try:
-        seen = Store(probe).read_bytes("") if Store(probe).is_file("") else b""
+        store = Store(probe)
+        seen = store.read_bytes("") if store.is_file("") else b""
     except OSError as e:
         seen = str(e).encode()
     if seen != name.encode():

@@ -116,7 +116,7 @@ def stored_model(uri: str) -> str:
     manifest = local / ".tandem-manifest.json"
     try:
         store = Store(uri)
-        files = {f: store.size(f) for f in store.files()}
+        files = store.sizes()
     except OSError as e:
         raise JobConfigError(f"model.path = {uri!r}: this node cannot read it ({first_line(e)}); allowed: a storage "
                              "URI whose credentials and endpoint this node's environment gives") from None

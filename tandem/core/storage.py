@@ -104,11 +104,15 @@ class Store:
 
     def files(self, rel: str = "") -> list[str]:
         """Every file below rel, as paths relative to rel."""
+        return sorted(self.sizes(rel))
+
+    def sizes(self, rel: str = "") -> dict[str, int]:
+        """{path relative to rel: size} of every file below rel, from one listing."""
         import pyarrow.fs as pafs
 
         base = self._p(rel)
         infos = self.fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
-        return sorted(i.path[len(base) + 1:] for i in infos if i.type == pafs.FileType.File)
+        return {i.path[len(base) + 1:]: i.size for i in infos if i.type == pafs.FileType.File}
 
     def read_bytes(self, rel: str) -> bytes:
         with self.fs.open_input_stream(self._p(rel)) as f:

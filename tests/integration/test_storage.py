@@ -46,11 +46,11 @@ def s3_client(s3_env: dict):
                         aws_secret_access_key="tandem-test", region_name="us-east-1")
 
 
-def bucket_files(s3_env: dict, prefix: str) -> dict[str, bytes]:
-    """Every object under prefix, read back with boto3 (not with the code under test)."""
+def bucket_files(s3_env: dict, prefix: str, suffix: str = "") -> dict[str, bytes]:
+    """Every object under prefix (whose key ends with suffix), read back with boto3 (not with the code under test)."""
     c = s3_client(s3_env)
     keys = [o["Key"] for page in c.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
-            for o in page.get("Contents", [])]
+            for o in page.get("Contents", []) if o["Key"].endswith(suffix)]
     return {k[len(prefix):]: c.get_object(Bucket=BUCKET, Key=k)["Body"].read() for k in keys}
 
 
@@ -165,8 +165,8 @@ def test_a_run_in_a_bucket_survives_the_loss_of_its_learners_node_and_exports_fr
 
 def checkpoints(s3_env: dict) -> dict:
     """The bucket's complete checkpoints (tandem.json is copied last) -> {name: tandem.json}."""
-    return {k.split("/")[0]: json.loads(v) for k, v in bucket_files(s3_env, "jobs/run/checkpoints/").items()
-            if k.endswith("/tandem.json")}
+    return {k.split("/")[0]: json.loads(v)
+            for k, v in bucket_files(s3_env, "jobs/run/checkpoints/", "/tandem.json").items()}
 
 
 def test_a_bucket_this_machine_cannot_write_is_refused_in_one_line(s3, tmp_path, tiny_model):
