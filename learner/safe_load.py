@@ -8,12 +8,14 @@ import pickle
 
 import torch
 
+from tandem.core.errors import TandemError
 
-class CheckpointRefused(RuntimeError):
+
+class CheckpointRefused(TandemError, RuntimeError):
     """A checkpoint file holds something loading it would have to run."""
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(TandemError, RuntimeError):
     """A checkpoint could not be written (a full disk): its temporary directory is gone, older ones stay."""
 
 

@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 
 from tandem.core.config import JobConfigError
+from tandem.core.errors import ToolError
 from tandem.rollout.engine_loop import Release, Request, Sample
 from tandem.rollout.engines.base import Completion, Sampling
 from tandem.rollout.rewards import RewardError, reward_value
@@ -343,7 +344,7 @@ def episode_metrics(stats: list[dict]) -> dict:
             "episodes/ended_by_budget": float((cat["ended"] == ENDINGS.index("budget")).mean())}
 
 
-class EnvironmentResetError(RuntimeError):
+class EnvironmentResetError(ToolError):
     """An environment's reset raised: that prompt fails as a reward function's failure does (retried once)."""
 
 

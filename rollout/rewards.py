@@ -18,12 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from tandem.core.loader import load_function
+from tandem.core.errors import RewardContractError, RewardError
+from tandem.core.loader import load_function, shown_name
 from tandem.rollout.child_pool import ChildPool
-
-
-class RewardError(RuntimeError):
-    pass
 
 
 class RewardFunctions:
@@ -46,7 +43,7 @@ class RewardFunctions:
         n = len(completions)
         out = np.full((n, len(self.fns)), np.nan, dtype=np.float32)
         for f, (spec, fn) in enumerate(zip(self.specs, self.fns)):
-            where = f"reward function {spec!r} on dataset row(s) {sorted(set(rows))}"
+            where = f"reward function {shown_name(spec)!r} on dataset row(s) {sorted(set(rows))}"
             try:
                 values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
                 if inspect.isawaitable(values):
@@ -57,9 +54,9 @@ class RewardFunctions:
                 values = values.tolist()
             if not isinstance(values, (list, tuple)) or len(values) != n:
                 got = f"{type(values).__name__} of length {len(values)}" if hasattr(values, "__len__") else repr(values)
-                raise RewardError(f"{where}: must return a list of {n} floats or None, got {got}")
+                raise RewardContractError(f"{where}: must return a list of {n} floats or None, got {got}")
             for i, v in enumerate(values):
-                out[i, f] = reward_value(v, f"reward function {spec!r} on dataset row {rows[i]}: sample {i}")
+                out[i, f] = reward_value(v, f"reward function {shown_name(spec)!r} on dataset row {rows[i]}: sample {i}")
         return out
 
 
@@ -69,7 +66,7 @@ def reward_value(v, where: str) -> float:
     if v is None:
         return math.nan
     if not isinstance(v, (int, float, np.integer, np.floating, np.bool_)):
-        raise RewardError(f"{where} is {v!r} ({type(v).__name__}); expected a number or None")
+        raise RewardContractError(f"{where} is {v!r} ({type(v).__name__}); expected a number or None")
     if not math.isfinite(float(v)):
         raise RewardError(f"{where} is {v}; rewards must be finite (return None to skip a sample)")
     return float(v)
@@ -103,7 +100,7 @@ class IsolatedRewards:
         self.pool.start()
 
     def score(self, *, rows: list[int], **kw) -> np.ndarray:
-        where = f"reward functions {self.specs} on dataset row(s) {sorted(set(rows))}"
+        where = f"reward functions {[shown_name(s) for s in self.specs]} on dataset row(s) {sorted(set(rows))}"
         for attempt in range(2):
             pool, gen = self.pool.current()
             try:

@@ -42,7 +42,7 @@ from tandem.rollout.episodes import (
     episode_stats,
 )
 from tandem.rollout.prompts import PromptError, completion_views, tokenize_prompt
-from tandem.rollout.rewards import IsolatedRewards, RewardError, RewardFunctions
+from tandem.rollout.rewards import IsolatedRewards, RewardContractError, RewardError, RewardFunctions
 from tandem.rollout.tools import IsolatedTools, tool_schemas
 
 
@@ -259,7 +259,8 @@ class RolloutWorker:
         except RewardError as e:
             with self._lock:
                 self._stats["failures"] += 1
-            return RolloutFailure(it.group_id, it.index, str(e), self.worker_id, retryable=False)
+            return RolloutFailure(it.group_id, it.index, str(e), self.worker_id, retryable=False,
+                                  fatal=isinstance(e, RewardContractError))
         if np.isnan(rewards).all():  # TRL warns and trains on zeros; a group without any reward teaches nothing
             return RolloutFailure(it.group_id, it.index, f"reward functions {self.cfg.rewards} returned None for all "
                                   f"{G} completions of dataset row {it.index}: not trained on", self.worker_id,

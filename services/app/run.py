@@ -345,15 +345,17 @@ def hold_run_dir(output_dir: str, name: str = "logging.output_dir"):
         f.close()
 
 
-def run_job(cfg, address: str | None = None, out=None, datasets: dict | None = None) -> int:
+def run_job(cfg, address: str | None = None, out=None, datasets: dict | None = None, events=None) -> int:
+    """The job to its end: 0, or 130 when interrupted (a checkpoint saved). events (GRPOTrainer's callbacks):
+    `after_cycle(result) -> stop?` after each generation cycle; a stop ends the run as its last cycle would."""
     t_start = time.time()
     out = out or sys.stdout  # looked up now: a caller may have redirected it
     ray = start_ray(address, cfg)
     with sigterm_as_interrupt():  # after ray.init, whose core worker installs a SIGTERM handler of its own
-        return _run_job(cfg, ray, address, out, t_start, datasets)
+        return _run_job(cfg, ray, address, out, t_start, datasets, events)
 
 
-def _run_job(cfg, ray, address: str | None, out, t_start: float, datasets: dict | None = None) -> int:
+def _run_job(cfg, ray, address: str | None, out, t_start: float, datasets: dict | None = None, events=None) -> int:
     from tqdm import tqdm
 
     wait_s = RESOURCE_WAIT_S if address else 0.0
@@ -387,8 +389,10 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float, datasets: dict 
                 bar.n = ray.get(ctl.__ray_call__.remote(lambda self: self.cycle))
                 bar.refresh()
                 continue
+            for line in r.get("notices", ()):
+                bar.write(line, file=out)
             s = r["steps"][-1]
-            done = r["done"]
+            done = r["done"] or (events is not None and events.after_cycle(r))
             bar.set_postfix(reward=f"{s['reward']:.3f}", step_s=f"{s['cycle_s']:.2f}", v=r["version"])
             bar.update(1)
     except KeyboardInterrupt:
@@ -407,7 +411,7 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float, datasets: dict 
     path, artifact = None, None
     if cfg.checkpoint.save_final:
         path = ray.get(ctl.save_checkpoint.remote())
-        artifact = publish_artifact(path, cfg.logging.output_dir)
+        artifact = publish_artifact(path, cfg)
     stop_controller(ray, ctl)
     print_summary(cfg, out, path, artifact, t_start)
     return 0
@@ -496,14 +500,17 @@ def resume_job(ray, ctl, out, none: str) -> None:
     print(f"resumed from checkpoint: {resumed}" if resumed else none, file=out)
 
 
-def publish_artifact(checkpoint: str, out_dir: str):
-    """The final checkpoint's adapter (or model) also at `<output_dir>/adapter` (or `/model`), a path
-    that does not change from run to run (either may be a storage URI). -> where it is (a Path where local)."""
+def publish_artifact(checkpoint: str, cfg):
+    """The final checkpoint's adapter (or model), with the model's tokenizer files, also at `<output_dir>/adapter`
+    (or `/model`), a path that does not change from run to run (either may be a storage URI). -> where it is (a Path
+    where local)."""
     from tandem.core.storage import Location, Store, is_uri
+    from tandem.services.orchestrator.trl_checkpoint import write_tokenizer_files
 
-    src = Store(checkpoint)
+    src, out_dir = Store(checkpoint), cfg.logging.output_dir
     for name in (ADAPTER_DIR, "model"):
         if src.exists(name) and not src.is_file(name):
             src.copy_to(name, Store(out_dir), name)
+            write_tokenizer_files(cfg, Store(out_dir), name)
             return Location(out_dir) / name if is_uri(out_dir) else Path(out_dir) / name
     return None

@@ -1,26 +1,39 @@
-"""`from tandem import GRPOTrainer, GRPOConfig`: TRL's constructor and `.train()`, running the job `tandem run` runs.
+"""`from tandem import GRPOTrainer, GRPOConfig`: TRL's constructor, `.train()` running the job `tandem run` runs, and
+what a TRL script does after it (`save_model`, `push_to_hub`, `state`, `model`, `evaluate`, callbacks).
 
 A TRL or Unsloth script changes its import and runs on Ray: the arguments become a JobConfig (TRL's names through
 `JobConfig.from_trl`, Tandem's own sections as dicts), functions made in the user's process (reward functions, tools,
 an environment class; closures and notebook cells included) are pickled by value into the run directory, which every
-node already sees (checkpoints need it), and the datasets go to the controller through Ray's object store, once.
+node reads, and the datasets go to the controller through Ray's object store, once. A failed run is the
+tandem.TandemError subclass of its cause (services/app/python_errors.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import os
 import sys
 import sysconfig
+import time
 import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from tandem.core.config import JobConfig, JobConfigError, with_absolute_paths
-from tandem.core.storage import Store, is_uri, join
+from tandem.core.storage import Location, Store, is_uri, join
 from tandem.core.trl import trl_to_sections
+from tandem.services.app.callbacks import Callbacks, RunEvents
+from tandem.services.app.plot import read_metrics
+from tandem.services.orchestrator.trl_checkpoint import (
+    POINTER,
+    Epochs,
+    log_history,
+    reward_names,
+    tandem_checkpoint,
+    trl_checkpoints,
+    write_tokenizer_files,
+)
 
 # Tandem's sections a GRPOConfig takes as dicts (what TRL has no name for: workers, staleness, resources, ...)
 SECTIONS = ("model", "data", "generation", "batch", "grpo", "optimizer", "cluster", "checkpoint", "logging", "eval")
@@ -29,8 +42,6 @@ FUNCTIONS_FILE = ".tandem/functions.pkl"  # in the run directory
 # GRPOTrainer arguments of TRL that Tandem does not take, refused by name when given
 REFUSED = {
     "reward_processing_classes": "reward models are not supported (reward functions are)",
-    "callbacks": "transformers callbacks run inside TRL's Trainer loop; Tandem reports to logging.report_to "
-                 "trackers and <output_dir>/metrics.jsonl",
     "optimizers": "Tandem's learner builds its AdamW and schedule from the optimizer section",
     "quantization_config": "quantized training (QLoRA) is not supported",
     "rollout_func": "custom rollout functions are not supported; tools= and environment_factory= are",
@@ -38,7 +49,8 @@ REFUSED = {
 
 
 class TrainOutput(NamedTuple):
-    """What transformers' Trainer.train returns: the last step, the mean training loss, the last metrics line."""
+    """What transformers' Trainer.train returns: the last step, the mean training loss, and its metrics (train_runtime,
+    train_samples_per_second, train_steps_per_second, total_flos, train_loss, epoch)."""
     global_step: int
     training_loss: float
     metrics: dict
@@ -65,6 +77,17 @@ class GRPOConfig:
     def __repr__(self) -> str:
         return f"tandem.GRPOConfig(output_dir={self.output_dir!r}, {self.trl}, sections={self.sections})"
 
+    def __getattr__(self, name: str) -> Any:
+        """A TRL name as TRL's config answers it (a callback reads `args.logging_steps`): the value given, else the
+        installed TRL's default."""
+        trl = self.__dict__.get("trl", {})
+        if name in trl:
+            return trl[name]
+        default = trl_field_default(name)
+        if default is MISSING:
+            raise AttributeError(f"'GRPOConfig' object has no attribute {name!r}")
+        return default
+
     @classmethod
     def from_any(cls, args: Any, default_output_dir: str) -> GRPOConfig:
         """A tandem.GRPOConfig, a trl.GRPOConfig (the fields it sets away from TRL's defaults), a dict, or None."""
@@ -78,6 +101,23 @@ class GRPOConfig:
             return cls(**changed_fields(args))
         raise JobConfigError(f"GRPOTrainer(args={type(args).__name__}): allowed: tandem.GRPOConfig, trl.GRPOConfig, "
                              "a dict of their names, or None")
+
+
+MISSING = object()
+
+
+def trl_field_default(name: str) -> Any:
+    """The installed TRL GRPOConfig's default for `name`, or MISSING (no such field, or no TRL installed)."""
+    try:
+        import trl
+    except ImportError:
+        return MISSING
+    f = next((f for f in dataclasses.fields(trl.GRPOConfig) if f.name == name and not name.startswith("_")), None)
+    if f is None:
+        return MISSING
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else MISSING
 
 
 def changed_fields(args: Any) -> dict:
@@ -104,7 +144,8 @@ class GRPOTrainer:
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, peft_config: Any = None, tools: Any = None,
-                 environment_factory: Any = None, address: str | None = None, **trl_only: Any):
+                 environment_factory: Any = None, callbacks: list | None = None, address: str | None = None,
+                 **trl_only: Any):
         for name, value in trl_only.items():
             if name not in REFUSED:
                 raise TypeError(f"GRPOTrainer() got an unexpected keyword argument {name!r}")
@@ -138,6 +179,8 @@ class GRPOTrainer:
             self.job = with_absolute_paths(JobConfig.from_dict(job), os.getcwd())
         self.address = address
         check_tokenizer(processing_class, self.job)
+        self.callbacks = Callbacks(callbacks)
+        self._state, self._model = None, None  # loaded when first asked for
 
     def _spec(self, fn: Any, arg: str, pkl: str) -> str:
         """A function given by name stays a name; one given as an object is pickled by value under a unique name."""
@@ -164,20 +207,28 @@ class GRPOTrainer:
         self.functions[name] = fn
         return f"{pkl}:{name}"
 
-    def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
-        """resume_from_checkpoint (TRL's argument): True, or a checkpoint of this run, continues from the run's
-        newest complete checkpoint (Tandem resumes the newest it can read, naming any it skips)."""
+    def train(self, resume_from_checkpoint: bool | str | None = None, **trl_only: Any) -> TrainOutput:
+        """resume_from_checkpoint (TRL's argument): True, the run's newest `checkpoint-N`, or its Tandem checkpoint,
+        continues from it. A failed run raises the tandem.TandemError subclass of its cause, in one line."""
+        from tandem.services.app.python_errors import as_python_error
+
+        if unknown := [k for k in trl_only if k not in ("trial", "ignore_keys_for_eval")]:
+            raise TypeError(f"train() got an unexpected keyword argument {unknown[0]!r}")
+        try:
+            return self._train(resume_from_checkpoint)
+        except (KeyboardInterrupt, TypeError):
+            raise
+        except Exception as e:  # noqa: BLE001 - every error of the run becomes a TandemError
+            err = as_python_error(e)
+            raise err from err.__cause__
+
+    def _train(self, resume_from_checkpoint: bool | str | None) -> TrainOutput:
         from tandem.core.checks import check_inputs
         from tandem.services.app.run import hold_run_dirs, run_job, start_ray
 
         cfg = self.job
         if resume_from_checkpoint:
-            ck = cfg.checkpoint_dir if is_uri(cfg.checkpoint_dir) else str(Path(cfg.checkpoint_dir).resolve())
-            given = str(resume_from_checkpoint)
-            given = given.rstrip("/") if is_uri(given) else str(Path(given).resolve())
-            if resume_from_checkpoint is not True and not (given == ck or given.startswith(ck.rstrip("/") + "/")):
-                raise JobConfigError(f"train(resume_from_checkpoint={resume_from_checkpoint!r}): not a checkpoint of "
-                                     f"this run; allowed: True, or a path under {ck}")
+            check_resume_target(resume_from_checkpoint, cfg)
             cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": True})})
         with hold_run_dirs(cfg):
             if self.functions:
@@ -185,10 +236,102 @@ class GRPOTrainer:
             check_inputs(cfg, given=set(self.datasets))
             ray = start_ray(self.address or cfg.cluster.address, cfg)
             refs = {k: ray.put(v) for k, v in self.datasets.items()}  # the controller reads them once
-            rc = run_job(cfg, address=self.address or cfg.cluster.address, datasets=refs)
+            events = RunEvents(self.callbacks, self.args, self.state, cfg, self._epochs())
+            events.begin()
+            t0 = time.time()
+            rc = run_job(cfg, address=self.address or cfg.cluster.address, datasets=refs, events=events)
         if rc == 130:
             raise KeyboardInterrupt("tandem: training interrupted (a checkpoint was saved)")
-        return train_output(Path(cfg.run_dir) / "metrics.jsonl")
+        self._model = None  # trained since it was loaded
+        out = train_output(Path(cfg.run_dir) / "metrics.jsonl", cfg, time.time() - t0, self._epochs())
+        events.end(summary={**out.metrics, "step": out.global_step})
+        return out
+
+    # --------------------------------------------------------------------------------- after train(), as TRL's
+
+    @property
+    def state(self):
+        """transformers' TrainerState of the run: global_step, log_history (TRL's names), best_metric None (Tandem
+        keeps no "best" model)."""
+        if self._state is None:
+            from transformers import TrainerState
+
+            lines = read_metrics(Path(self.job.run_dir) / "metrics.jsonl") if Path(
+                self.job.run_dir, "metrics.jsonl").is_file() else []
+            epochs = self._epochs()
+            self._state = TrainerState(
+                global_step=max((x.get("step", 0) for x in lines), default=0), max_steps=self.job.batch.max_steps,
+                log_history=log_history(lines, reward_names(self.job.rewards), epochs))
+            self._state.epoch = epochs.at(self._state.global_step)
+        return self._state
+
+    def _epochs(self) -> Epochs:
+        from tandem.core.plan import BatchPlan
+
+        plan = BatchPlan.from_config(self.job)
+        return Epochs(plan.optimizer_steps_per_cycle, plan.unique_prompts, len(self.datasets["data"]))
+
+    def trained_weights(self) -> str:
+        """Where the run's trained adapter (or model) is: <output_dir>/adapter (or /model), else the newest
+        checkpoint-N. A run that trained nothing yet is a JobConfigError."""
+        out = Store(self.job.logging.output_dir)
+        for name in ("adapter", "model"):
+            if out.is_file(f"{name}/adapter_config.json") or out.is_file(f"{name}/config.json"):
+                return join(self.job.logging.output_dir, name)
+        if found := trl_checkpoints(self.job.logging.output_dir):
+            return str(found[-1][1])
+        raise JobConfigError(f"GRPOConfig.output_dir = {self.job.logging.output_dir!r}: no trained weights there "
+                             "yet; call train() first")
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """TRL's save_model: the trained adapter (PEFT format; the model where there is no LoRA) and the tokenizer
+        files into output_dir (default: GRPOConfig.output_dir)."""
+        save_weights(self.trained_weights(), self.job, output_dir or self.job.logging.output_dir)
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, **kwargs: Any) -> Any:
+        """TRL's push_to_hub: what save_model writes, uploaded with huggingface_hub's upload_folder to
+        GRPOConfig.hub_model_id (default: output_dir's name). Offline or without a token: one line naming what it
+        needs."""
+        return push_weights(self, commit_message, token, revision, **kwargs)
+
+    @property
+    def model(self):
+        """The trained model (a PeftModel with the run's adapter; the model itself where there is no LoRA), loaded
+        on the CPU when first asked for; before train(): the base model with a fresh adapter, as TRL's."""
+        if self._model is None:
+            self._model = load_trained(self)
+        return self._model
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> dict:
+        """TRL's evaluate: the run's evaluation of its final weights (Tandem evaluates on its rollout engines at the
+        end of train() whenever an eval dataset is given), as TRL names it (`eval_reward`, ...)."""
+        if eval_dataset is not None:
+            raise JobConfigError("evaluate(eval_dataset=...): Tandem evaluates the eval_dataset given to GRPOTrainer, "
+                                 "during train(); allowed: evaluate() with no dataset")
+        if "eval" not in self.datasets and self.job.eval.path is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")  # TRL's own words
+        rows = [r for r in self.state.log_history if any(k.startswith("eval_") for k in r)]
+        if not rows:
+            raise JobConfigError("evaluate(): the run has not evaluated yet; Tandem evaluates during train() (and at "
+                                 "its end); call train() first")
+        prefix = f"{metric_key_prefix}_"
+        out = {prefix + k[5:] if k.startswith("eval_") else k: v for k, v in rows[-1].items()}
+        self.state.log_history.append(out)  # as TRL's evaluate logs it
+        from transformers import TrainerControl
+
+        for event, kw in (("on_evaluate", {"metrics": out}), ("on_log", {"logs": out})):
+            self.callbacks.fire(event, self.args, self.state, TrainerControl(), **kw)
+        return {k: v for k, v in out.items() if k != "step"}
+
+    def add_callback(self, callback: Any) -> None:
+        self.callbacks.add(callback)
+
+    def pop_callback(self, callback: Any) -> Any:
+        return self.callbacks.pop(callback)
+
+    def remove_callback(self, callback: Any) -> None:
+        self.callbacks.pop(callback)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -325,8 +468,103 @@ def write_functions(output_dir: str, fns: dict[str, Any]) -> None:
     Store(output_dir).write_bytes(FUNCTIONS_FILE, pickled(fns))
 
 
-def train_output(metrics: Path) -> TrainOutput:
-    lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
+def train_output(metrics: Path, cfg: JobConfig, runtime_s: float, epochs: Epochs) -> TrainOutput:
+    """TRL's TrainOutput of the run: the mean loss over its steps, the rates over this call's wall time."""
+    from tandem.core.plan import BatchPlan
+
+    lines = read_metrics(metrics) if metrics.is_file() else []
     steps = [x for x in lines if "loss" in x]
     loss = sum(x["loss"] for x in steps) / len(steps) if steps else float("nan")
-    return TrainOutput(max((x.get("step", 0) for x in lines), default=0), loss, lines[-1] if lines else {})
+    step = max((x.get("step", 0) for x in lines), default=0)
+    samples = len(steps) * BatchPlan.from_config(cfg).effective_batch_size
+    rt = max(runtime_s, 1e-9)
+    return TrainOutput(step, loss, {"train_runtime": round(runtime_s, 4), "train_samples_per_second": round(samples / rt, 3),
+                                    "train_steps_per_second": round(len(steps) / rt, 3), "total_flos": 0.0,
+                                    "train_loss": loss, "epoch": epochs.at(step)})
+
+
+def check_resume_target(given: bool | str, cfg: JobConfig) -> None:
+    """train(resume_from_checkpoint=...): True, or the run's newest checkpoint, as TRL's `checkpoint-N` or Tandem's
+    `checkpoints/cycle-N`. An older one is refused, naming the newest: resuming from it would train over the steps
+    after it (Tandem resumes its newest complete checkpoint)."""
+    from tandem.services.orchestrator.checkpointer import complete_checkpoints
+
+    if given is True:
+        return
+    path = str(given).rstrip("/") if is_uri(str(given)) else str(Path(given).resolve())
+    newest = (complete_checkpoints(cfg.checkpoint_dir) or [None])[-1]
+    target = tandem_checkpoint(path, cfg.checkpoint_dir) if Store(path).is_file("trainer_state.json") else Location(path)
+    runs = [str(Location(x) if is_uri(str(x)) else Path(x).resolve()) for x in (cfg.logging.output_dir,
+                                                                               cfg.checkpoint_dir)]
+    if target is None or not any(path == r or path.startswith(r.rstrip("/") + "/") for r in runs):
+        raise JobConfigError(f"train(resume_from_checkpoint={given!r}): not a checkpoint of this run; allowed: True, "
+                             f"or {cfg.logging.output_dir}/checkpoint-N")
+    if newest is not None and Location(target).name != newest.name and newest.name.startswith("cycle-"):
+        trl = [str(p) for _, p in trl_checkpoints(cfg.logging.output_dir)]
+        raise JobConfigError(f"train(resume_from_checkpoint={given!r}): not the run's newest checkpoint "
+                             f"({trl[-1] if trl else newest}); resuming from it would train over the steps after it; "
+                             "allowed: True, or the newest")
+
+
+def save_weights(src: str, cfg: JobConfig, output_dir: str) -> None:
+    """save_model's files: those of the adapter (or model) directory `src` and the tokenizer's, into output_dir."""
+    weights, out = Store(src), Store(output_dir)
+    for f in weights.files():
+        if f not in ("trainer_state.json", POINTER):
+            out.write_bytes(f, weights.read_bytes(f))
+    write_tokenizer_files(cfg, out)
+
+
+def push_weights(trainer: GRPOTrainer, commit_message: str | None, token: str | None, revision: str | None,
+                 **kwargs: Any) -> Any:
+    """push_to_hub: save_model's files in a temporary directory, uploaded by huggingface_hub."""
+    import tempfile
+
+    from huggingface_hub import HfApi, get_token
+    from huggingface_hub.constants import is_offline_mode
+
+    if is_offline_mode():
+        raise JobConfigError("push_to_hub(): the Hugging Face Hub is offline here (HF_HUB_OFFLINE=1); allowed: a "
+                             "machine that reaches the Hub with HF_HUB_OFFLINE unset, or save_model(dir) and upload "
+                             "that directory later")
+    token = token or trainer.args.hub_token or get_token()
+    if not token:
+        raise JobConfigError("push_to_hub(): no Hugging Face token; allowed: `hf auth login`, HF_TOKEN, "
+                             "GRPOConfig(hub_token=...), or push_to_hub(token=...)")
+    repo = trainer.args.hub_model_id or Path(str(trainer.job.logging.output_dir)).name
+    api = HfApi(token=token)
+    repo = api.create_repo(repo, private=trainer.args.hub_private_repo, exist_ok=True).repo_id
+    with tempfile.TemporaryDirectory() as d:
+        trainer.save_model(d)
+        return api.upload_folder(repo_id=repo, folder_path=d, commit_message=commit_message or "End of training",
+                                 revision=revision or trainer.args.hub_revision, run_as_future=not kwargs.get(
+                                     "blocking", True))
+
+
+def load_trained(trainer: GRPOTrainer):
+    """The trained model on the CPU: the base with the run's adapter (peft), or the trained model itself."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = trainer.job
+    dtype = getattr(torch, cfg.model.dtype) if cfg.model.dtype not in (None, "auto") else "auto"
+    try:
+        weights = trainer.trained_weights()
+    except JobConfigError:
+        weights = None
+    if weights is not None and is_uri(weights):  # read from a local copy
+        import tempfile
+
+        local = Path(tempfile.mkdtemp(prefix="tandem-weights-"))
+        Store(weights).download("", local)
+        weights = str(local)
+    if cfg.model.lora is None:
+        return AutoModelForCausalLM.from_pretrained(weights or cfg.model.local_dir(), dtype=dtype)
+    base = AutoModelForCausalLM.from_pretrained(cfg.model.local_dir(), dtype=dtype)
+    if weights is None:
+        from tandem.core.adapter import with_lora
+
+        return with_lora(base, cfg.model.lora, cfg.model.path)
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(base, weights)

@@ -1,5 +1,6 @@
-"""The job file reference, generated from the pydantic models (README embeds it; a test keeps
-them in step): `python -m tandem.services.devtools.reference`."""
+"""The references generated from the code (a test keeps each in step with the file that shows it): the job file's
+fields from the pydantic models (README), every field of the installed TRL's GRPOConfig as Tandem classes it
+(docs/trl.md). `python -m tandem.services.devtools.reference [trl]`."""
 
 from __future__ import annotations
 
@@ -36,5 +37,40 @@ def markdown() -> str:
     return "\n".join(["| field | default | meaning |", "| --- | --- | --- |", *rows()])
 
 
+def trl_defaults() -> dict:
+    """The installed TRL's GRPOConfig fields and defaults (a CPU config: TRL's bf16 default needs a GPU)."""
+    import dataclasses
+    import warnings
+
+    import trl
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        conf = trl.GRPOConfig(output_dir="trl-fields", use_cpu=True, bf16=False)
+    return {f.name: getattr(conf, f.name) for f in dataclasses.fields(conf) if f.init}
+
+
+def trl_markdown() -> str:
+    """docs/trl.md's table: what Tandem does with each name of the installed TRL's GRPOConfig."""
+    import enum
+
+    import trl
+
+    from tandem.core.trl import field_table
+
+    def shown(v):
+        v = v.value if isinstance(v, enum.Enum) else v
+        return "`" + repr(v).replace("|", "\\|")[:40] + "`"
+    defaults = trl_defaults()
+    out = [f"TRL {trl.__version__}: {len(defaults)} fields (bf16 shown as a CPU config has it; TRL's own default is "
+           "true where a GPU has bfloat16).", "", "| TRL field | TRL default | Tandem | how |",
+           "| --- | --- | --- | --- |"]
+    defaults["output_dir"] = "<model's name>-GRPO"  # not TRL's: the table's own CPU config named one
+    out += [f"| `{name}` | {shown(defaults[name])} | {what} | {how} |" for name, what, how in field_table(defaults)]
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
-    print(markdown())
+    import sys
+
+    print(trl_markdown() if sys.argv[1:] == ["trl"] else markdown())

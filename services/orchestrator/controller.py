@@ -20,6 +20,7 @@ died, group too stale, reward function failed once): never lost, never trained o
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import json
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from tandem.core.config import JobConfigError
+from tandem.core.errors import RewardContractError
 from tandem.core.plan import BatchPlan
 from tandem.core.protocol import errors_as_text
 from tandem.core.storage import Location, RunMirror, Store, is_uri, run_mirror
@@ -51,13 +53,26 @@ from tandem.services.orchestrator.prompt_source import PromptSource
 from tandem.services.orchestrator.rollout_pool import RolloutPool, lost_object
 from tandem.services.orchestrator.run_log import EXPORTED, RunLog, rollout_rates, series_name  # noqa: F401 - deploy/ reads EXPORTED
 from tandem.services.orchestrator.trackers import Trackers
+from tandem.services.orchestrator.trl_checkpoint import Epochs, write_trl_checkpoint
+
+NOTICES: collections.deque = collections.deque(maxlen=100)  # said since the driver last asked (step() hands them on)
 
 
 def say(line: str) -> None:
-    """One line for the terminal of whoever runs the job (from the controller's actor, Ray forwards it)."""
+    """One line for the terminal of whoever runs the job: in the actor's log, and handed to the driver with the
+    cycle's result (the drivers run Ray with log_to_driver off: the actors' own output stays in their logs)."""
     import sys
 
     print(line, file=sys.stderr, flush=True)
+    NOTICES.append(line)
+
+
+def notices() -> list[str]:
+    """The lines said since the last call."""
+    out = []
+    while NOTICES:
+        out.append(NOTICES.popleft())
+    return out
 
 
 def one_at_a_time(method):
@@ -162,7 +177,7 @@ class Controller:
         self.buffer = GroupBuffer(cfg.cluster.max_staleness, rows, cfg.grpo.dynamic_sampling,
                                   int(cfg.grpo.max_oversampling * self.plan.unique_prompts))
         self.record = TrainedRecord(rows)
-        self.failures = FailureLog(self.out / "failed_prompts.jsonl", cfg.rewards, self.plan.unique_prompts, rows)
+        self.failures = FailureLog(self.out / "failed_prompts.jsonl", cfg.rewards, self.plan.unique_prompts, rows, say)
         self.checkpoints.fingerprint = fingerprint(cfg, rows, content)
         p, U = self.progress, self.plan.unique_prompts
         p.total_cycles = (-(-cfg.batch.max_steps // self.plan.optimizer_steps_per_cycle) if cfg.batch.max_steps > 0
@@ -278,7 +293,7 @@ class Controller:
             self._record(steps)
             self._push()
         self._autoscale(stage.seconds)
-        return {"version": self.version, "steps": steps, "done": self._done()}
+        return {"version": self.version, "steps": steps, "done": self._done(), "notices": notices()}
 
     def _done(self) -> bool:
         return self.cycle >= self.total_cycles
@@ -373,6 +388,8 @@ class Controller:
             self.failures.rewarded()
             if not self.buffer.admit(dict(meta, index=it.index, epoch=it.epoch), ref):
                 self.counters["groups_filtered"] += 1
+        elif meta.get("fatal"):  # the function's answer has the wrong shape: every other row would fail the same way
+            raise RewardContractError(meta["failure"])
         elif meta.get("no_reward"):  # the functions' answer, not a failure: recorded at once, never retried
             self.counters["groups_no_reward"] += 1
             self.failures.no_reward(it.index, it.epoch, meta["failure"])
@@ -484,8 +501,13 @@ class Controller:
     def _save(self) -> str:
         path = self.learner.save_checkpoint(self.checkpoints.path(self.cycle), {"controller": self.state()})
         self.checkpoints.prune()
+        write_trl_checkpoint(path, self.cfg, self.log.lines(), self.progress.total_steps, self.epochs)
         self._push()
         return path
+
+    @property
+    def epochs(self) -> Epochs:
+        return Epochs(self.plan.optimizer_steps_per_cycle, self.plan.unique_prompts, self.record.epochs.rows)
 
     def _push(self) -> None:
         """The run files written since the last push to the storage URI (none for a local output_dir)."""

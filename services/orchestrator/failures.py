@@ -6,18 +6,25 @@ Too many failures stop the run, as does a whole cycle of groups without reward."
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+from typing import Callable
 
 from tandem.core.config import JobConfigError
+from tandem.core.errors import RewardError, TrainingError
 
 
 class FailureLog:
-    TRANSIENT = ("no_reward_run",)  # a run of groups counts within one process
+    TRANSIENT = ("no_reward_run", "say", "_said", "_unsaid")  # within one process: a run of groups, the terminal's lines
 
-    def __init__(self, path: Path, rewards: list[str], unique_prompts: int, rows: int):
+    SAY_EVERY_S, SAY_BURST = 10.0, 3  # at most 3 lines on the terminal per 10 s; the file has every one
+
+    def __init__(self, path: Path, rewards: list[str], unique_prompts: int, rows: int,
+                 say: Callable[[str], None] = lambda line: None):
         self.path, self.rewards, self.unique_prompts, self.rows = path, rewards, unique_prompts, rows
         self.failed: list[dict] = []  # {index, epoch, reason, message}
         self.no_reward_run = 0  # groups without reward in a row (a rewarded one resets it)
+        self.say, self._said, self._unsaid = say, [], 0  # times of the lines said lately; failures not said
 
     def rewarded(self) -> None:
         self.no_reward_run = 0
@@ -42,12 +49,25 @@ class FailureLog:
     def _permanent(self, index: int, epoch: int, reason: str, message: str) -> None:
         self._record(index, epoch, reason, message)
         if sum(f.get("reason") != "no_reward" for f in self.failed) > max(4, self.rows // 4):
-            raise RuntimeError(f"{len(self.failed)} prompts failed permanently; last: {message}")
+            error = RewardError if reason == "reward_error" else TrainingError
+            raise error(f"{len(self.failed)} prompts failed permanently (each in {self.path}); last: {message}")
 
     def _record(self, index: int, epoch: int, reason: str, message: str) -> None:
         self.failed.append({"index": index, "epoch": epoch, "reason": reason, "message": message})
         with open(self.path, "a") as f:
             f.write(json.dumps(self.failed[-1]) + "\n")
+        self._tell(f"tandem: dataset row {index} (epoch {epoch}) not trained on, {reason}: {message[:300]}")
+
+    def _tell(self, line: str) -> None:
+        now = time.time()
+        self._said = [t for t in self._said if now - t < self.SAY_EVERY_S]
+        if len(self._said) >= self.SAY_BURST:
+            self._unsaid += 1
+            return
+        more = f" (and {self._unsaid} more before it, in {self.path})" if self._unsaid else ""
+        self._said.append(now)
+        self._unsaid = 0
+        self.say(line + more)
 
     def state(self) -> dict:
         return {"failed": list(self.failed)}

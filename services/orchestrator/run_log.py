@@ -74,6 +74,16 @@ class RunLog:
         tmp.replace(self.path)
         return len(lines) - len(keep)
 
+    def lines(self) -> list[dict]:
+        """The lines written, less one a crash cut short."""
+        out = []
+        for x in self.path.read_text().splitlines() if self.path.is_file() else []:
+            try:
+                out.append(json.loads(x))
+            except ValueError:
+                pass
+        return out
+
     def has_step(self, step: int) -> bool:
         if not self.path.is_file():
             return False

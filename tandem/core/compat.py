@@ -63,6 +63,12 @@ def init_local_ray(num_cpus: int, **kwargs) -> None:
 
     node.Node.__init__ = lean_init
     node.Node.start_api_server = lambda self, **kw: None
+    # Token auth on, as ray.init turns it on by default for a new cluster, but said before it: Ray then keeps quiet
+    # instead of printing how to turn it off (its default path calls the same function, then warns)
+    if os.environ.get("RAY_AUTH_MODE") is None:
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+        _enable_token_auth()
     try:
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
                  configure_logging=False, _system_config={"prestart_worker_first_driver": False}, **kwargs)

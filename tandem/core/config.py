@@ -19,12 +19,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tandem.core.errors import JobConfigError
 from tandem.core.plan import batch_error
 from tandem.core.storage import is_uri, join, staging_dir
-
-
-class JobConfigError(ValueError):
-    """A job file or override that cannot be run; the message names field, value and what is allowed."""
 
 
 class JobConfigWarning(UserWarning):

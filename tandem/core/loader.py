@@ -48,6 +48,13 @@ def load_function(spec: str):
     return fn
 
 
+def shown_name(spec: str) -> str:
+    """A function as an error message names it: a function given from Python by its own name (its spec is the
+    pickle's path, which its author never wrote), one from a job file as written there."""
+    target, _, name = str(spec).rpartition(":")
+    return name if target.endswith(".pkl") else str(spec)
+
+
 def _pickled(path: str) -> dict:
     """The {name: function} a GRPOTrainer pickled (cloudpickle, by value), read once per process and version; from a
     storage URI where the run directory is one (every node reads it there: tandem.core.storage)."""

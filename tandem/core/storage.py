@@ -9,10 +9,13 @@ never from the job file."""
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
 import shutil
 from pathlib import Path
+
+from tandem.core.errors import TandemError
 
 STAGING_ENV = "TANDEM_STAGING_DIR"
 
@@ -55,7 +58,7 @@ class Location(str):
         return Location(join(self, part))
 
 
-class StorageError(OSError):
+class StorageError(TandemError, OSError):
     """A storage URI that this node cannot read or write, named with the error the filesystem gave."""
 
 
@@ -238,7 +241,8 @@ class RunMirror:
 
     def _mine(self, rel: str) -> bool:
         top = rel.split("/", 1)[0]
-        return not (top in LOCAL_ONLY or top in self.skip or top.startswith(".tandem-") or rel.endswith(".part"))
+        return not (top in LOCAL_ONLY or any(fnmatch.fnmatch(top, s) for s in self.skip) or top.startswith(".tandem-")
+                    or rel.endswith(".part"))
 
     def pull(self) -> None:
         """The staging directory made anew (the lock and Ray address kept) with what the URI holds."""
@@ -272,7 +276,7 @@ class RunMirror:
 
 def run_mirror(cfg) -> RunMirror | None:
     """The mirror of a job whose output_dir is a storage URI (None for a local path). Checkpoints are written to the
-    URI by the learner, and the published adapter copied there: neither is staged."""
+    URI by the learner (TRL's checkpoint-N copies too), and the published adapter copied there: none is staged."""
     if not is_uri(cfg.logging.output_dir):
         return None
-    return RunMirror(Path(cfg.run_dir), cfg.logging.output_dir, skip=("checkpoints", "adapter", "model"))
+    return RunMirror(Path(cfg.run_dir), cfg.logging.output_dir, skip=("checkpoints", "adapter", "model", "checkpoint-*"))

@@ -68,28 +68,49 @@ TRL_DEFAULTS: dict[str, Any] = {
     "max_completion_length": 512, "gradient_checkpointing": True, "save_steps": 500,
 }
 
-COSMETIC = {
-    "logging_steps", "logging_dir", "logging_first_step", "logging_strategy", "log_level",
-    "push_to_hub", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "disable_tqdm",
-    "log_completions", "num_completions_to_print", "wandb_log_unique_prompts", "dataloader_num_workers",
-    "dataloader_pin_memory", "remove_unused_columns",
-    "per_device_eval_batch_size", "do_eval", "do_train", "vllm_mode", "vllm_tensor_parallel_size",
-    "vllm_server_host", "vllm_server_port", "vllm_server_base_url", "vllm_server_timeout",
-    "ds3_gather_for_generation", "include_tokens_per_second", "save_only_model", "save_safetensors",
-    "torch_compile", "unsloth_num_chunks", "bf16_full_eval", "fp16_full_eval", "log_on_each_node",
-    "logging_nan_inf_filter", "optim_target_modules", "use_cpu", "use_cache", "torch_empty_cache_steps",
-    "include_num_input_tokens_seen", "log_level_replica", "project", "trackio_space_id", "trackio_bucket_id",
-    "trackio_static_space_id", "eval_delay", "prediction_loss_only", "eval_do_concat_batches",
-    "eval_use_gather_object", "eval_accumulation_steps", "include_for_metrics", "batch_eval_metrics",
-    "save_on_each_node", "enable_jit_checkpoint", "hub_always_push", "hub_revision", "load_best_model_at_end",
-    "metric_for_best_model", "greater_is_better", "restore_callback_states_from_checkpoint", "accelerator_config",
-    "dataloader_persistent_workers", "dataloader_prefetch_factor", "dataloader_multiprocessing_context",
-    "dataloader_in_order", "label_names", "length_column_name", "ddp_find_unused_parameters", "ddp_bucket_cap_mb",
-    "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend", "ddp_timeout", "debug", "skip_memory_metrics",
-    "do_predict", "local_rank", "vllm_model_impl", "vllm_enable_sleep_mode",
-    "vllm_group_port", "log_multimodal", "log_unique_prompts", "log_completions_hub_repo",
-    "gradient_checkpointing_kwargs",
+# Names with no effect on what is trained, each group with why (warned once when set)
+IGNORED: dict[str, tuple[str, ...]] = {
+    "logging and reporting: every step goes to <output_dir>/metrics.jsonl and logging.report_to's trackers": (
+        "logging_steps", "logging_dir", "logging_first_step", "logging_strategy", "log_level", "log_level_replica",
+        "log_on_each_node", "logging_nan_inf_filter", "disable_tqdm", "log_completions", "num_completions_to_print",
+        "wandb_log_unique_prompts", "include_tokens_per_second", "include_num_input_tokens_seen", "project",
+        "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "log_multimodal", "log_unique_prompts",
+        "log_completions_hub_repo", "skip_memory_metrics", "debug",
+    ),
+    ('the Hub: trainer.push_to_hub() reads hub_model_id, hub_private_repo, hub_token and hub_revision; '
+     'training itself never pushes'): (
+        "push_to_hub", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push",
+        "hub_revision",
+    ),
+    'data loading: the controller reads the rows once and hands prompts to the rollout workers': (
+        "dataloader_num_workers", "dataloader_pin_memory", "remove_unused_columns", "dataloader_persistent_workers",
+        "dataloader_prefetch_factor", "dataloader_multiprocessing_context", "dataloader_in_order", "label_names",
+        "length_column_name",
+    ),
+    ('evaluation batching and model selection: Tandem evaluates on its rollout engines (the eval section) '
+     "and keeps no 'best' model"): (
+        "per_device_eval_batch_size", "do_eval", "do_train", "do_predict", "eval_delay", "prediction_loss_only",
+        "eval_do_concat_batches", "eval_use_gather_object", "eval_accumulation_steps", "include_for_metrics",
+        "batch_eval_metrics", "bf16_full_eval", "fp16_full_eval", "load_best_model_at_end", "metric_for_best_model",
+        "greater_is_better",
+    ),
+    "TRL's vLLM server and its transport: Tandem starts its engines itself, in Ray actors (cluster.*)": (
+        "vllm_tensor_parallel_size", "vllm_server_host", "vllm_server_port", "vllm_server_base_url",
+        "vllm_server_timeout", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_group_port",
+        "ds3_gather_for_generation",
+    ),
+    'process and device setup: Ray places the actors (cluster.*), DeepSpeed runs the learner': (
+        "use_cpu", "local_rank", "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers",
+        "ddp_static_graph", "ddp_backend", "ddp_timeout", "accelerator_config", "save_on_each_node",
+        "torch_empty_cache_steps", "use_cache", "torch_compile", "optim_target_modules",
+        "gradient_checkpointing_kwargs", "unsloth_num_chunks", "enable_jit_checkpoint",
+        "restore_callback_states_from_checkpoint",
+    ),
+    'checkpoint format: checkpoint-N holds safetensors weights only; the full state is in checkpoints/': (
+        "save_only_model", "save_safetensors",
+    ),
 }
+COSMETIC = {name for names in IGNORED.values() for name in names}
 
 _ADAMW = {"adamw_torch", "adamw_torch_fused", "adamw_hf"}
 _ADAMW_8BIT = {"adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adamw_bnb_8bit"}
@@ -113,8 +134,9 @@ def trl_to_sections(flat: dict[str, Any], caller: str | None = None) -> dict[str
 
         raise JobConfigError("TRL config: not supported by Tandem (they change training): " + ", ".join(unsupported))
     if ignored:
-        warnings.warn(f"TRL config: ignored (no effect on training): {', '.join(sorted(ignored))}",
-                      UserWarning, stacklevel=3)
+        warnings.warn("TRL config: ignored (no effect on training): " + "; ".join(
+            f"{', '.join(sorted(names))} ({why})" for why, names in ignored_reasons(ignored).items()),
+            UserWarning, stacklevel=3)
     gbs = out.pop("_generation_batch_size", None)
     if gbs is not None:
         b = out.setdefault("batch", {})
@@ -129,6 +151,46 @@ def trl_to_sections(flat: dict[str, Any], caller: str | None = None) -> dict[str
     return out
 
 
+def ignored_reasons(names: list[str]) -> dict[str, list[str]]:
+    """{why: the names ignored for that reason}."""
+    out: dict[str, list[str]] = {}
+    for name in names:
+        why = next((w for w, group in IGNORED.items() if name in group), "use_vllm=False: TRL generates in its own "
+                   "process, Tandem in its rollout workers")
+        out.setdefault(why, []).append(name)
+    return out
+
+
+def field_table(defaults: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Every field of TRL's GRPOConfig ({name: TRL's default}) -> (name, "applied" / "ignored" / "refused", what
+    Tandem does with it), in TRL's order: the table docs/trl.md shows."""
+    applied = {**{k: f"`{s}.{f}`" if s else f"`{f}`" for k, (s, f) in KNOWN.items()},
+               "bf16": "`model.dtype` (fp16 wins, as in transformers; both false: float32)", "fp16": "`model.dtype`",
+               "vllm_mode": "`cluster.vllm_mode` where use_vllm is true (TRL's default there: colocate)",
+               "eval_strategy": "'steps' or 'no' (`eval.eval_steps`; with 'no' an eval dataset is still evaluated at "
+                                "the end)", "eval_steps": "`eval.eval_steps`",
+               "num_generations_eval": "`eval.num_generations`", "eval_on_start": "`eval.eval_on_start`",
+               "save_strategy": "'steps' or 'no' (`checkpoint.save_steps` 0, no final save)",
+               "optim": f"AdamW ({', '.join(sorted(_ADAMW))}); 8-bit names run 32-bit AdamW, with a warning",
+               "generation_batch_size": "`batch.steps_per_generation` = generation_batch_size / "
+                                        "per_device_train_batch_size"}
+    rows = []
+    for name, default in defaults.items():
+        if name in applied:
+            rows.append((name, "applied", applied[name]))
+        elif name in REFERENCE_ONLY:
+            rows.append((name, "refused", f"with beta > 0, any value but TRL's default {REFERENCE_ONLY[name]!r} "
+                                          "(Tandem's reference model does not move)"))
+        elif name in UNSUPPORTED_NEUTRAL:
+            rows.append((name, "refused", f"any value but TRL's default {UNSUPPORTED_NEUTRAL[name]!r} (not built "
+                                          "in Tandem: training would differ)"))
+        elif name in COSMETIC:
+            rows.append((name, "ignored", next(w for w, group in IGNORED.items() if name in group)))
+        else:
+            rows.append((name, "unknown", ""))
+    return rows
+
+
 def _normalised(flat: dict[str, Any]) -> dict[str, Any]:
     """TRL's defaults for what the dict leaves out, and TRL's own aliases read as TRL reads them."""
     flat = {**{k: v for k, v in TRL_DEFAULTS.items() if k not in flat}, **flat}
@@ -140,6 +202,8 @@ def _normalised(flat: dict[str, Any]) -> dict[str, Any]:
             flat["vllm_importance_sampling_clip_max"] = cap
     if flat.get("use_vllm") is False:  # TRL corrects only what vLLM sampled
         flat["vllm_importance_sampling_correction"] = False
+    if flat.get("use_vllm") and "vllm_mode" not in flat:  # TRL's default: the engine in the trainer's process
+        flat["vllm_mode"] = "colocate"
     return flat
 
 
@@ -182,6 +246,11 @@ def _sections(flat: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[str
                               UserWarning, stacklevel=4)
             elif value not in _ADAMW:
                 unsupported.append(f"optim={value!r} (allowed: {sorted(_ADAMW | _ADAMW_8BIT)})")
+        elif name == "vllm_mode":  # TRL's meaning only where vLLM samples (use_vllm=False generates in-process)
+            if flat.get("use_vllm"):
+                put("cluster", "vllm_mode", value)
+            else:
+                ignored.append(name)
         elif name == "generation_batch_size":
             if value is not None:
                 out["_generation_batch_size"] = value

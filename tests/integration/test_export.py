@@ -53,7 +53,7 @@ def vllm_logprobs(model_path, adapter, seqs):
 
 def test_adapter_loads_in_peft_and_vllm_and_merges(ray_session, tiny_model, tmp_path):
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tandem.services.app.export import export_merged
     from tandem.services.app.run import publish_artifact
@@ -91,9 +91,11 @@ def test_adapter_loads_in_peft_and_vllm_and_merges(ray_session, tiny_model, tmp_
     assert max(np.abs(a - b).max() for a, b in zip(ours, got)) <= TOL
     assert (merged / "tokenizer_config.json").is_file()
 
-    # the end of a run: the final checkpoint's adapter also at <output_dir>/adapter
-    dst = publish_artifact(tmp_path / "ck" / "cycle-000001", tmp_path / "run")
+    # the end of a run: the final checkpoint's adapter also at <output_dir>/adapter, with the model's tokenizer
+    run = cfg.model_copy(update={"logging": cfg.logging.model_copy(update={"output_dir": str(tmp_path / "run")})})
+    dst = publish_artifact(tmp_path / "ck" / "cycle-000001", run)
     assert dst == tmp_path / "run" / "adapter" and (dst / "adapter_model.safetensors").is_file()
+    assert (dst / "tokenizer.json").is_file() and AutoTokenizer.from_pretrained(dst).vocab_size > 0
 
 
 def test_export_names_what_is_missing(tmp_path):

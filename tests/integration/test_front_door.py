@@ -3,6 +3,7 @@ is its import, and a job file naming its model and data by their Hub ids (tests/
 
 import json
 import runpy
+from pathlib import Path
 
 import pytest
 
@@ -12,13 +13,18 @@ from tests.helpers import ROOT
 pytestmark = pytest.mark.integration
 
 # TRL's documented GRPO quick start (trl/docs: grpo_trainer.md, "Quick start"), at a test's size: a Hub model and a
-# Hub dataset by name, a reward function made in the script (a closure), LoRA through peft_config
+# Hub dataset by name, a reward function made in the script (a closure), LoRA through peft_config; then what a TRL
+# script does after train(): a callback, save_model, evaluate, the state, push_to_hub. It writes what it saw to
+# OUTPUT_DIR.json, the same under TRL and under Tandem.
 TRL_SCRIPT = '''
+import json
+
 from datasets import load_dataset
 from peft import LoraConfig
+from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-dataset = load_dataset("tandem-test/arith", "plain", split="train")
+dataset = load_dataset("tandem-test/arith", "plain")
 dataset = dataset.map(lambda row: {"prompt": [{"role": "user", "content": row["question"]}]})
 
 
@@ -29,44 +35,127 @@ def make_reward(digit):
 
 
 def constant(value):
-    return lambda completions, **kwargs: [value] * len(completions)
+    def constant_reward(completions, **kwargs):
+        return [value] * len(completions)
+    return constant_reward
 
 
-training_args = GRPOConfig(output_dir=OUTPUT_DIR, bf16=False, learning_rate=1e-2, max_steps=3, logging_steps=1,
-                           per_device_train_batch_size=8, num_generations=4, max_completion_length=8)
+class Recorder(TrainerCallback):
+    def __init__(self):
+        self.events = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.events.append(["step_end", state.global_step])
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.events.append(["log", state.global_step, "loss" in logs])
+
+    def on_save(self, args, state, control, **kwargs):
+        self.events.append(["save", state.global_step])
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.events.append(["train_end", state.global_step])
+
+
+training_args = GRPOConfig(output_dir=OUTPUT_DIR, bf16=False, use_cpu=True, learning_rate=1e-2, max_steps=3,
+                           logging_steps=1, per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+                           save_steps=2, save_total_limit=1, seed=3)
 trainer = GRPOTrainer(
     model="tandem-test/tiny",
     reward_funcs=[make_reward("7"), constant(0.25)],
     args=training_args,
-    train_dataset=dataset,
+    train_dataset=dataset["train"],
+    eval_dataset=dataset["test"],
     peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
 )
+recorder = Recorder()
+trainer.add_callback(recorder)
 result = trainer.train()
+trainer.save_model(OUTPUT_DIR + "-saved")
+metrics = trainer.evaluate()
+try:
+    trainer.push_to_hub()
+    pushed = "pushed"
+except Exception as e:
+    pushed = f"{type(e).__name__}: {e}"
+trained = trainer.model
+with open(OUTPUT_DIR + ".json", "w") as f:
+    json.dump({"global_step": result.global_step, "training_loss": result.training_loss, "metrics": result.metrics,
+               "state_step": trainer.state.global_step, "best_metric": trainer.state.best_metric,
+               "log_history": trainer.state.log_history, "events": recorder.events, "evaluate": metrics,
+               "pushed": pushed, "model": type(trained).__name__}, f, default=str)
 '''
 
 
-def test_a_trl_quick_start_script_trains_on_tandem_with_only_its_import_changed(ray_session, hub_cache, tmp_path):
-    out = tmp_path / "Qwen-GRPO"
-    script = TRL_SCRIPT.replace("OUTPUT_DIR", repr(str(out)))
-    ours = script.replace("from trl import GRPOConfig, GRPOTrainer", "from tandem import GRPOConfig, GRPOTrainer")
-    assert [a for a, b in zip(script.splitlines(), ours.splitlines()) if a != b] == [
+def check_trl_script(out, seen: dict) -> None:
+    """What the script saw and wrote, as TRL's GRPOTrainer gives it (run under both)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert seen["global_step"] == seen["state_step"] == 3 and seen["best_metric"] is None
+    assert seen["training_loss"] == seen["training_loss"] and {"train_runtime", "train_loss"} <= set(seen["metrics"])
+    train_rows = [r for r in seen["log_history"] if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3], seen["log_history"]
+    for key in ("reward", "reward_std", "learning_rate", "grad_norm", "rewards/reward_digit/mean",
+                "rewards/constant_reward/mean", "completions/mean_length", "epoch"):
+        assert all(key in r for r in train_rows), (key, train_rows[0])
+    assert all(r["rewards/constant_reward/mean"] == 0.25 for r in train_rows)  # the closure's value, where it ran
+    assert [e for e in seen["events"] if e[0] == "step_end"] == [["step_end", s] for s in (1, 2, 3)]
+    assert [e[1] for e in seen["events"] if e[0] == "log" and e[2]] == [1, 2, 3]
+    events = [e[:2] for e in seen["events"]]
+    assert ["save", 2] in events and events.index(["train_end", 3]) > events.index(["step_end", 3])
+    assert "eval_reward" in seen["evaluate"]
+    assert "offline" in seen["pushed"].lower(), seen["pushed"]
+    assert seen["model"].startswith("Peft")
+    # TRL's layout: checkpoint-N with the adapter, the tokenizer and trainer_state.json; save_total_limit 1
+    ckpts = sorted(p.name for p in out.glob("checkpoint-*"))
+    assert ckpts == ["checkpoint-3"], ckpts
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3 and [r["step"] for r in state["log_history"] if "loss" in r] == [1, 2, 3]
+    base = AutoModelForCausalLM.from_pretrained("tandem-test/tiny")
+    for d in (out / "checkpoint-3", out.parent / f"{out.name}-saved"):
+        assert (d / "tokenizer_config.json").is_file() and (d / "adapter_config.json").is_file(), sorted(d.iterdir())
+        PeftModel.from_pretrained(base, str(d))  # peft reads it as its own
+        AutoTokenizer.from_pretrained(str(d))
+
+
+def test_a_trl_script_runs_to_its_last_line_on_tandem_as_on_trl(ray_session, hub_cache, tmp_path):
+    """The script above, run by TRL's own GRPOTrainer on this CPU and by Tandem with only its import changed: the same
+    checks hold on what each saw and wrote (check_trl_script). Then Tandem's own promises on the run."""
+    import os
+    import subprocess
+    import sys
+
+    from tandem.core.errors import TandemError
+
+    ours = TRL_SCRIPT.replace("from trl import GRPOConfig, GRPOTrainer", "from tandem import GRPOConfig, GRPOTrainer")
+    assert [a for a, b in zip(TRL_SCRIPT.splitlines(), ours.splitlines()) if a != b] == [
         "from trl import GRPOConfig, GRPOTrainer"]
-    (tmp_path / "train.py").write_text(ours)
-    ns = runpy.run_path(str(tmp_path / "train.py"), run_name="__main__")  # its functions are __main__'s
-    result, trainer = ns["result"], ns["trainer"]
+    outs = {}
+    for name, text in (("trl", TRL_SCRIPT), ("tandem", ours)):
+        (tmp_path / name).mkdir()
+        outs[name] = tmp_path / name / "Qwen-GRPO"
+        (tmp_path / name / "train.py").write_text(text.replace("OUTPUT_DIR", repr(str(outs[name]))))
+    p = subprocess.run([sys.executable, "train.py"], cwd=tmp_path / "trl", capture_output=True, text=True,
+                       env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    check_trl_script(outs["trl"], json.loads(Path(f"{outs['trl']}.json").read_text()))
+    ns = runpy.run_path(str(tmp_path / "tandem" / "train.py"), run_name="__main__")  # its functions are __main__'s
+    out, trainer = outs["tandem"], ns["trainer"]
+    check_trl_script(out, json.loads(Path(f"{out}.json").read_text()))
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert result.global_step == 3 and [x["step"] for x in lines] == [1, 2, 3] and result.metrics == lines[-1]
-    assert all(x["rewards/1/mean"] == 0.25 for x in lines)  # the closure's captured value, on the rollout worker
-    assert all(0 <= x["rewards/0/mean"] <= 1 for x in lines) and all(x["loss"] == x["loss"] for x in lines)
+    assert [x["step"] for x in lines] == [1, 2, 3]
     adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == "tandem-test/tiny" and adapter["r"] == 8  # the Hub id, as peft
-    assert (out / ".tandem" / "functions.pkl").is_file()
-    # train() again: never a silent fresh start over the run; TRL's resume_from_checkpoint continues it
-    with pytest.raises(JobConfigError, match="holds an earlier run"):
+    assert (out / "adapter" / "tokenizer.json").is_file()  # the final adapter with its tokenizer
+    # train() again: never a silent fresh start over the run, said in the Python caller's words
+    with pytest.raises(JobConfigError, match=r"holds an earlier run .*train\(resume_from_checkpoint=True\) to continue "
+                                             r"it, GRPOConfig\(overwrite_output_dir=True\) to start over"):
         trainer.train()
     with pytest.raises(JobConfigError, match="not a checkpoint of this run"):
         trainer.train(resume_from_checkpoint=str(tmp_path))
-    again = trainer.train(resume_from_checkpoint=True)  # the run is complete: it resumes and trains nothing
+    assert isinstance(JobConfigError("x"), TandemError)
+    again = trainer.train(resume_from_checkpoint=str(out / "checkpoint-3"))  # complete: resumes, trains nothing
     assert again.global_step == 3 and [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()
                                        ] == [1, 2, 3]
 

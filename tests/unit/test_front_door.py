@@ -209,7 +209,9 @@ def test_what_tandem_does_not_do_is_refused_by_name(hub_cache, tmp_path):
               args=GRPOConfig(output_dir=str(tmp_path / "r"), bf16=False))
     with pytest.raises(JobConfigError, match="not supported by Tandem .*: use_liger_loss=True"):
         GRPOConfig(output_dir="x", use_liger_loss=True)
-    with pytest.raises(JobConfigError, match=r"GRPOTrainer\(callbacks=...\): not supported"):
+    with pytest.raises(JobConfigError, match=r"GRPOTrainer\(optimizers=...\): not supported by Tandem: Tandem's learner"):
+        GRPOTrainer(**kw, optimizers=(object(), None))
+    with pytest.raises(JobConfigError, match=r"callbacks=\[object\]: not a transformers TrainerCallback"):
         GRPOTrainer(**kw, callbacks=[object()])
     with pytest.raises(JobConfigError, match="reward model"):
         GRPOTrainer(**{**kw, "reward_funcs": "org/reward-model"})
