@@ -41,7 +41,9 @@ def as_python_error(e: BaseException) -> TandemError:
         err = cls(message)
     except TypeError:  # a subclass whose constructor takes other arguments
         err = TrainingError(message)
-    text = str(e) if str(e).count("\n") > 1 else "".join(traceback.format_exception(e))
+    remote = getattr(e, "traceback_str", None)  # a RayTaskError's whole traceback (its str leaves frames out)
+    text = remote if isinstance(remote, str) else str(e) if str(e).count("\n") > 1 else "".join(
+        traceback.format_exception(e))
     err.__cause__ = ActorTraceback(_COLOUR.sub("", text).strip())
     err.__suppress_context__ = True
     return err

@@ -464,14 +464,15 @@ def root_cause(e: BaseException) -> BaseException:
 
 
 def one_line(e: BaseException) -> str:
-    """An error as the one line `tandem: ...` prints: its root cause's type and first line."""
-    from tandem.core.config import JobConfigError
+    """An error as the one line `tandem: ...` prints: its root cause's first line (a TandemError's says what failed
+    and where), with the type of any other."""
+    from tandem.core.errors import TandemError
     from tandem.core.protocol import ActorError
 
     c = root_cause(e)
     lines = [x for x in str(c).strip().splitlines() if x.strip()]
     msg = lines[0] if lines else ""
-    return msg if isinstance(c, (JobConfigError, ActorError)) else f"{type(c).__name__}: {msg}"
+    return msg if isinstance(c, (TandemError, ActorError)) else f"{type(c).__name__}: {msg}"
 
 
 def restart_job(ray, cfg, ctl, error, restarts: int, out, resource_wait_s: float = 0.0, datasets: dict | None = None):

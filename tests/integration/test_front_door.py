@@ -160,6 +160,34 @@ def test_a_trl_script_runs_to_its_last_line_on_tandem_as_on_trl(ray_session, hub
                                        ] == [1, 2, 3]
 
 
+def short_reward(completions, **kwargs):
+    return [0.0]  # one value for the group's 4 completions
+
+
+def test_a_reward_of_the_wrong_shape_is_its_python_error_at_the_first_prompt(ray_session, hub_cache, tmp_path):
+    """Not a Ray wrapper after a run of failed prompts: RewardContractError (a TandemError), its message the line the
+    CLI prints, naming the function as it was given (not the pickle it travelled in), the actor's traceback as the
+    cause's text; no prompt recorded as failed before it."""
+    from peft import LoraConfig
+
+    from tandem import GRPOConfig, GRPOTrainer
+    from tandem.core.errors import RewardContractError
+    from tandem.services.app.python_errors import ActorTraceback
+
+    args = GRPOConfig(output_dir=str(tmp_path / "bad"), bf16=False, max_steps=1, per_device_train_batch_size=8,
+                      num_generations=4, max_completion_length=4)
+    trainer = GRPOTrainer(model=hub_cache["model"], reward_funcs=short_reward, args=args,
+                          train_dataset=[{"prompt": f"{a} + {a}"} for a in range(8)],
+                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with pytest.raises(RewardContractError, match=r"^reward function 'short_reward' on dataset row\(s\) \[\d\]: must "
+                                                  r"return a list of 4 floats or None, got list of length 1$") as e:
+        trainer.train()
+    assert isinstance(e.value.__cause__, ActorTraceback) and "\x1b[" not in str(e.value.__cause__)
+    cause = str(e.value.__cause__)  # the controller's frames down to where it stopped the job
+    assert cause.startswith("ray::Controller.step()") and "in _accept" in cause and "short_reward" in cause, cause
+    assert not (tmp_path / "bad" / "failed_prompts.jsonl").is_file()
+
+
 def test_a_job_file_names_its_model_revision_and_data_by_hub_id(ray_session, hub_cache, tmp_path):
     """model.revision v2 (another seed than main), the dataset by name, configuration and split, shaped by
     data.map and data.system_prompt, its test split as eval: trained by the same controller `tandem run` starts."""

@@ -251,9 +251,13 @@ def test_a_prompt_that_kills_its_worker_fails_alone_and_the_run_goes_on(ray_sess
                    generation={"max_completion_length": 4}, optimizer={"learning_rate": 1e-2},
                    logging={"output_dir": str(tmp_path / "run"), "progress": False})
     ctl = started(Controller(cfg))
+    notices = []  # what a driver prints (its Ray keeps the controller's own output in the actor's log)
     try:
-        while not ctl.step()["done"]:
-            pass
+        while True:
+            r = ctl.step()
+            notices += r["notices"]
+            if r["done"]:
+                break
         failed = [json.loads(x) for x in (tmp_path / "run" / "failed_prompts.jsonl").read_text().splitlines()]
         assert [(f["index"], f["epoch"], f["reason"]) for f in failed] == [(3, 0, "worker_died")]
         assert ctl.counters["worker_failures"] == 2
@@ -264,3 +268,5 @@ def test_a_prompt_that_kills_its_worker_fails_alone_and_the_run_goes_on(ray_sess
     deaths = [x for x in capfd.readouterr().err.splitlines() if "rollout worker 0 died" in x]
     assert len(deaths) == 2 and "replaced (1 in a row)" in deaths[0] and "replaced (2 in a row)" in deaths[1]
     assert "while running dataset rows [3]" in deaths[1]  # the second time alone
+    assert [x for x in notices if "rollout worker 0 died" in x] == deaths  # handed to the driver with the cycle
+    assert any(x.startswith("tandem: dataset row 3 (epoch 0) not trained on, worker_died: ") for x in notices), notices

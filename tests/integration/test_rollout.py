@@ -211,13 +211,19 @@ def test_adapters_load_from_memory_and_reload_after_an_eviction(ray_session, wor
 
 
 def test_reward_error_is_reported_not_zeroed(ray_session, tiny_model, tmp_path):
+    """A reward that raises fails its prompt (retried, then recorded); one whose answer has the wrong length is a
+    mistake in the function, marked fatal: the controller stops the job at once instead of failing every prompt."""
     bad = tmp_path / "bad.py"
-    bad.write_text("def f(completions, **kw):\n    raise ValueError('nope')\n")
+    bad.write_text("def f(completions, **kw):\n    if len(completions) == 2:\n        raise ValueError('nope')\n"
+                   "    return [0.0]\n")
     job = make_job(tmp_path, tiny_model, [f"{bad}:f"], model={"fast_inference": False})
     w = start_rollout_worker(job, 3)[0]
     out = ray_session.get(w.generate.remote(items(tiny_model, n=1, start=9), Sampling(n=2, max_tokens=4)))
-    assert isinstance(out[0], RolloutFailure) and out[0].index == 9
+    assert isinstance(out[0], RolloutFailure) and out[0].index == 9 and not out[0].fatal
     assert "bad.py:f" in out[0].message and "row(s) [9]" in out[0].message and "nope" in out[0].message
+    out = ray_session.get(w.generate.remote(items(tiny_model, n=1, start=9), Sampling(n=3, max_tokens=4)))
+    assert isinstance(out[0], RolloutFailure) and out[0].fatal
+    assert "must return a list of 3 floats or None, got list of length 1" in out[0].message
     ray_session.kill(w)
 
 

@@ -294,3 +294,25 @@ def test_forwarded_learner_calls_run_inside_the_holders_context():
     forward_learner_methods(Holder, holder="inner", prefix="learner_", around="ctx")
     assert all(hasattr(Holder, "learner_" + m) for m in LEARNER_METHODS)
     assert Holder().learner_train(3) == ("trained", 3, ["in"]) and seen == ["in", "out"]
+
+
+def test_failed_prompts_are_said_on_the_terminal_a_few_at_a_time(tmp_path, monkeypatch):
+    """Each prompt recorded as failed is one line for the terminal, at most SAY_BURST per SAY_EVERY_S; the ones held
+    back are counted in the next line said, and every one is in the file."""
+    from tandem.services.orchestrator.failures import FailureLog
+
+    said, clock = [], [1000.0]
+    log = FailureLog(tmp_path / "f.jsonl", ["r.py:f"], unique_prompts=4, rows=100, say=said.append)
+    log.SAY_EVERY_S, log.SAY_BURST = 10.0, 2
+    from tandem.services.orchestrator import failures
+
+    monkeypatch.setattr(failures.time, "time", lambda: clock[0])
+    for i in range(5):
+        log.reward_error(i, 0, f"raised on {i}")
+    clock[0] += 11
+    log.reward_error(5, 0, "raised on 5")
+    monkeypatch.undo()
+    assert said[0] == "tandem: dataset row 0 (epoch 0) not trained on, reward_error: raised on 0"
+    assert len(said) == 3 and "row 1 " in said[1]
+    assert "row 5 " in said[2] and "(and 3 more before it, in " in said[2]
+    assert len((tmp_path / "f.jsonl").read_text().splitlines()) == 6

@@ -1,0 +1,93 @@
+"""What a TRL script reads of a Tandem run: log rows under TRL's metric names, the epoch, the fields table docs/trl.md
+shows, and a failed run as the Python error of its cause."""
+
+import pytest
+
+from tandem.services.orchestrator.trl_checkpoint import Epochs, log_history, log_rows, reward_names
+from tests.helpers import ROOT
+
+
+def test_a_metrics_line_becomes_trls_rows_train_then_evaluation():
+    line = {"time": 1.0, "step": 4, "loss": 0.5, "lr": 1e-3, "reward": 0.7, "rewards/0/mean": 0.2, "rewards/1/std": 0.1,
+            "completion_length": 7.5, "frac_truncated": 0.25, "tis/weight_mean": 1.01, "learner/mfu": 0.4,
+            "eval/reward": 0.9, "eval/rewards/0/mean": 0.3, "eval/completion_length": 6.0, "eval_s": 2.5}
+    names = reward_names(["/run/.tandem/functions.pkl:digits", "examples/rewards.py:length_reward"])
+    assert names == ["digits", "length_reward"]
+    train, evaluation = log_rows(line, names, Epochs(steps_per_cycle=2, unique_prompts=4, rows=16))
+    assert train == {"loss": 0.5, "learning_rate": 1e-3, "reward": 0.7, "rewards/digits/mean": 0.2,
+                     "rewards/length_reward/std": 0.1, "completions/mean_length": 7.5,
+                     "completions/clipped_ratio": 0.25, "sampling/importance_sampling_ratio/mean": 1.01,
+                     "learner/mfu": 0.4, "epoch": 0.5, "step": 4}  # 4 steps = 2 cycles of 4 rows of 16
+    assert evaluation == {"eval_reward": 0.9, "eval_rewards/digits/mean": 0.3, "eval_completions/mean_length": 6.0,
+                          "eval_runtime": 2.5, "epoch": 0.5, "step": 4}
+    assert log_rows({"step": 0, "eval/reward": 0.1}, names, None) == [{"eval_reward": 0.1, "step": 0}]
+    assert [r["step"] for r in log_history([{"step": 1, "loss": 1.0}, {"note": "x"}, line], names, None)] == [1, 4, 4]
+
+
+def test_docs_trl_table_is_the_one_the_installed_trl_gives_and_classes_every_field():
+    from tandem.services.devtools.reference import trl_defaults, trl_markdown
+
+    table = trl_markdown()
+    assert table in (ROOT / "docs" / "trl.md").read_text(), "regenerate: python -m tandem.services.devtools.reference trl"
+    rows = [r for r in table.splitlines() if r.startswith("| `")]
+    assert len(rows) == len(trl_defaults()) > 150
+    assert not [r for r in rows if "| unknown |" in r]
+    assert "| `vllm_mode` | `'colocate'` | applied |" in table
+    assert "| `hub_model_id` | `None` | ignored | the Hub: trainer.push_to_hub() reads" in table
+
+
+def test_vllm_mode_is_trls_where_vllm_samples(tmp_path):
+    """TRL's default is colocate (the engine in the trainer's process): a GRPOConfig with use_vllm and no vllm_mode
+    runs that way, as does a trl.GRPOConfig; 'server' is honoured; without vLLM it is said to be ignored."""
+    import warnings
+
+    import trl
+
+    from tandem.services.app.trainer import GRPOConfig
+
+    assert GRPOConfig(str(tmp_path), use_vllm=True).job_sections["cluster"] == {"vllm_mode": "colocate"}
+    assert GRPOConfig(str(tmp_path), use_vllm=True, vllm_mode="server").job_sections["cluster"]["vllm_mode"] == "server"
+    with pytest.warns(UserWarning, match=r"ignored .*vllm_mode \(use_vllm=False: TRL generates in its own process"):
+        assert "cluster" not in GRPOConfig(str(tmp_path), vllm_mode="server").job_sections
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, use_vllm=True)
+        assert GRPOConfig.from_any(theirs, "x").job_sections["cluster"]["vllm_mode"] == "colocate"
+    assert GRPOConfig(str(tmp_path), logging_steps=5).logging_steps == 5  # a callback reads TRL's names
+    assert GRPOConfig(str(tmp_path)).save_total_limit is None  # TRL's default where not given
+    with pytest.raises(AttributeError, match="no attribute 'lerning_rate'"):
+        _ = GRPOConfig(str(tmp_path)).lerning_rate
+
+
+def test_a_failed_run_is_the_python_error_of_its_cause():
+    """The root cause's TandemError class and first line, the traceback as the cause's text; anything else a
+    TrainingError; the job file's words for resuming and overwriting in the Python caller's."""
+    from tandem.core.errors import JobConfigError, RewardContractError, TandemError, TrainingError
+    from tandem.services.app.python_errors import ActorTraceback, as_python_error
+
+    def raised(e):
+        try:
+            raise e
+        except Exception as caught:  # noqa: BLE001
+            return caught
+
+    class Wrapper(Exception):  # as Ray's RayTaskError: the user's error as .cause
+        def __init__(self, cause):
+            super().__init__("\x1b[36mray::Controller.step()\x1b[39m\nTraceback (most recent call last):\n  ...\n"
+                             + str(cause))
+            self.cause = cause
+
+    inner = RewardContractError("reward function 'short' on dataset row(s) [3]: must return a list of 4 floats")
+    err = as_python_error(raised(Wrapper(inner)))
+    assert type(err) is RewardContractError and isinstance(err, TandemError)
+    assert str(err) == str(inner)
+    assert isinstance(err.__cause__, ActorTraceback) and "\x1b[" not in str(err.__cause__)
+    assert "ray::Controller.step()" in str(err.__cause__)
+    other = as_python_error(raised(ZeroDivisionError("division by zero")))
+    assert type(other) is TrainingError and str(other) == "ZeroDivisionError: division by zero"
+    refused = as_python_error(raised(JobConfigError(
+        "logging.output_dir = 'r': holds an earlier run (x); allowed: checkpoint.resume: true to continue it, "
+        "logging.overwrite_output_dir: true to start over there, or another directory")))
+    assert str(refused) == ("GRPOConfig.output_dir = 'r': holds an earlier run (x); allowed: "
+                            "train(resume_from_checkpoint=True) to continue it, GRPOConfig(overwrite_output_dir=True) "
+                            "to start over there, or another directory")
