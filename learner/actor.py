@@ -17,7 +17,6 @@ import torch
 
 from tandem.core.checks import check_learner_device, check_shared_dir, model_error, raise_on_node
 from tandem.core.compat import before_deepspeed_init, set_distributed_env
-from tandem.core.engine_memory import head_dim
 from tandem.core.plan import BatchPlan
 from tandem.kernels.logprobs import TisFromLogp
 from tandem.learner import checkpoint_io
@@ -31,19 +30,15 @@ from tandem.learner.grpo import (
     tis_weight,
     with_overlong_column,
 )
+from tandem.learner.layout import Launch, Layout, decide_layout, training_flops
 from tandem.learner.logprobs import completion_grpo_loss, completion_logprobs
-from tandem.learner.memory import forward_layout
 from tandem.learner.metrics import accumulate, memory_peaks, reduce_metrics, rollout_stats, train_phases
 from tandem.learner.model import (
-    checkpointing,
     copy_to_cpu,
-    enable_checkpointing,
     load_frozen_reference,
     load_policy,
-    packs_sequences,
     reference_context,
     trainable_state_dict,
-    uses_liger,
 )
 from tandem.learner.non_finite import describe, non_finite_input
 from tandem.learner.overflow import check_in_one_readback
@@ -108,12 +103,19 @@ class Learner:
         whose update shows any gradient scaling that Adam's normalisation would hide). `probe`: a file the
         controller wrote under output_dir; setup() refuses to start if this rank cannot read it."""
         self.cfg, self.rank, self.world = cfg, rank, world
-        self._rendezvous = (master, port)
-        self._total_steps, self._client_optimizer, self._probe = total_steps, optimizer, probe
+        self.launch = Launch(master, port, total_steps, optimizer, probe)
         self.plan = BatchPlan.from_config(cfg)
-        self.tis = cfg.tis
         self.version = 0
         self.steps = 0
+        self.layout: Layout | None = None  # decided by setup()
+
+    @property
+    def tis(self) -> bool:
+        return self.cfg.tis
+
+    @property
+    def token_budget(self) -> int | None:
+        return self.layout.token_budget
 
     def placement(self) -> dict:
         """Where Ray put this rank (before setup): its node and the GPU ids it was given."""
@@ -126,54 +128,36 @@ class Learner:
         cfg = self.cfg
         raise_on_node(f"learner rank {self.rank}", [model_error(cfg)])
         check_learner_device(cfg)
-        check_shared_dir(cfg.logging.output_dir, self._probe, f"learner rank {self.rank}")
-        set_distributed_env(self.rank, self.world, *self._rendezvous)
+        launch = self.launch
+        check_shared_dir(cfg.logging.output_dir, launch.probe, f"learner rank {self.rank}")
+        set_distributed_env(self.rank, self.world, launch.master, launch.port)
         before_deepspeed_init()
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
         torch.manual_seed(cfg.seed)
         model = load_policy(cfg)
-        self.packed = packs_sequences(model)  # model.padding_free, where the model takes the packed attention
         params = [p for p in model.parameters() if p.requires_grad]
         o = cfg.optimizer
-        warm = o.warmup_steps or math.ceil(o.warmup_ratio * self._total_steps)
+        warm = o.warmup_steps or math.ceil(o.warmup_ratio * launch.total_steps)
         dsc = ds_config(cfg, self.world)
         client_opt = None
-        if self._client_optimizer is not None:
+        if launch.optimizer is not None:
             dsc.pop("optimizer")
             dsc["zero_allow_untested_optimizer"] = True
-            client_opt = self._client_optimizer(params)
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            client_opt = launch.optimizer(params)
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=params, config=dsc, optimizer=client_opt,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
-                opt, lr_lambda(o.lr_scheduler_type, warm, self._total_steps)),
+                opt, lr_lambda(o.lr_scheduler_type, warm, launch.total_steps)),
         )
         refuse_pickles(self.engine)
         check_in_one_readback(self.engine)  # DeepSpeed's per-gradient readbacks at the step (learner/overflow.py)
         self.device = self.engine.device  # batches are collated on the host and moved here
         if self.device.type == "cuda" and cfg.cluster.learner_sm_carveout:
             leave_sms_free(cfg.cluster.learner_sm_carveout, self.device)
-        self._n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: full sizes
-        self._peak_flops = _peak_flops(self.device)
         self.ref = load_frozen_reference(cfg).to(self.device) if (cfg.grpo.beta > 0 and cfg.model.lora is None) else None
-        # after everything this rank holds is placed (a frozen reference included)
-        from tandem.core.checks import language_model_config
-
-        cuda = self.device.type == "cuda"
-        mc = language_model_config(cfg.model.local_dir()) if cuda else None  # the language model's shape
-        self._pair_flops = attention_flops_per_pair(mc)  # learner/mfu's attention term (0 off a GPU: no peak)
-        self.token_budget, ck = forward_layout(
-            cfg, mc, self.packed,
-            (torch.cuda.mem_get_info(self.device)[1], torch.cuda.memory_allocated(self.device)) if cuda else None)
-        if ck and cfg.model.gradient_checkpointing == "auto":
-            enable_checkpointing(model)
-        self.checkpointing = checkpointing(model)
-        self.liger = uses_liger(model)
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(cfg.model.local_dir())
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.layout = decide_layout(cfg, model, self.device)  # after everything this rank holds is placed
         return self.rank
 
     # ----------------------------------------------------------------------------- helpers
@@ -274,10 +258,10 @@ class Learner:
         batch_stats.update(self._throughput(tokens, pairs, train_s))
         batch_stats.update(train_phases(t0, t_prepared, t_trained, t0 + train_s))
         batch_stats["learner/forwards_per_step"] = sum(map(len, forwards.values())) / len(forwards)
-        batch_stats["learner/max_tokens_per_forward"] = float(self.token_budget or 0)  # 0: the plan's micro-batches
+        batch_stats["learner/max_tokens_per_forward"] = float(self.layout.token_budget or 0)  # 0: the plan's micro-batches
         batch_stats["learner/padding_frac"] = 1 - tokens / max(computed, 1)  # the forward's share spent on padding
-        batch_stats["learner/gradient_checkpointing"] = float(self.checkpointing)
-        batch_stats["learner/liger_kernel"] = float(self.liger)
+        batch_stats["learner/gradient_checkpointing"] = float(self.layout.checkpointing)
+        batch_stats["learner/liger_kernel"] = float(self.layout.liger)
         batch_stats.update(memory_peaks(self.device))
         for sm in step_metrics:
             sm.update(batch_stats)
@@ -297,11 +281,11 @@ class Learner:
                                                                       for rows in micro], g.loss_type,
                          max_completion_length=self.cfg.generation.max_completion_length, num_active_tokens=n_active)
         weight = {i: x for rows, ws in zip(micro, w) for i, x in zip(rows, ws)}
-        if self.token_budget is not None:
+        if self.layout.token_budget is not None:
             n = lambda i: len(s.prompts[i]) + len(s.completions[i])
             micro = token_budget_bins([[(i, n(i)) for k in key for i in plan.rows(k, r)] for r in range(self.world)],
-                                      self.token_budget)[self.rank]
-        return [collate(s, rows, adv, pad_id=self.pad_id, mask_truncated=mt, padding_free=self.packed,
+                                      self.layout.token_budget)[self.rank]
+        return [collate(s, rows, adv, pad_id=self.layout.pad_id, mask_truncated=mt, padding_free=self.layout.packed,
                         weights=[weight[i] for i in rows]) | {"samples": rows, "origins": [s.origins[i] for i in rows]}
                 for rows in micro]
 
@@ -309,7 +293,7 @@ class Learner:
         """The forwards of one optimizer step, then the step. -> its metrics. The host reads nothing back from the
         GPU between forwards (no loss value, no metric), so it keeps queuing work ahead of it: the losses are checked
         once, before the step that would apply them, and the metrics are taken after the step."""
-        cfg, g = self.cfg, self.cfg.grpo
+        g = self.cfg.grpo
         GA, W = self.plan.gradient_accumulation_steps, self.world
         losses, inputs = [], []
         for k, mb in enumerate(forwards):
@@ -319,21 +303,7 @@ class Learner:
             self._begin_micro_step()
             # the learner owns the boundary: a token budget runs as many forwards as it needs, not GA
             self.engine.set_gradient_accumulation_boundary(last)
-            # fused: loss and its gradient in one pass (the off-policy mask needs the policy's log-probs
-            # before the loss, so it takes the two-pass path)
-            if g.importance_sampling_level == "token" and g.off_policy_mask_threshold is None:
-                loss, logp, ent = self._fused_loss(mb, old_k, ref_k)
-                x = self._inputs(mb, logp, old_k if old_k is not None else logp, ref_k, ent)
-            else:
-                logp, ent = self._logp(mb, with_entropy=True)
-                x = self._inputs(mb, logp, old_k if old_k is not None else logp.detach(), ref_k, ent)
-                loss = grpo_loss(x, g, tis=self.tis, max_completion_length=cfg.generation.max_completion_length,
-                                 token_weight=mb["weights"])
-                x = dataclasses.replace(x, logp=logp.detach(), entropy=None if ent is None else ent.detach())
-            # Contribution of this forward to the step's objective (docs/grpo.md §4.8), then undo
-            # DeepSpeed's 1/GA and 1/world averaging so the gradient is exactly that sum.
-            if g.loss_type != "dapo":
-                loss = loss / (GA * W)
+            loss, x = self._micro_batch_loss(mb, old_k, ref_k)
             losses.append(loss.detach())
             inputs.append(x)
             if last:  # before the backward whose step applies the gradient
@@ -350,6 +320,27 @@ class Learner:
         return reduce_metrics(acc, float(torch.stack(losses).double().sum()), self.world, self.device) | {
             "step": self.steps, "lr": lr,
             "grad_norm": grad_norm if grad_norm is not None else float(self.engine.get_global_grad_norm() or 0.0)}
+
+    def _micro_batch_loss(self, mb: dict, old, ref) -> tuple[torch.Tensor, LossInputs]:
+        """One forward's contribution to its optimizer step's objective (docs/grpo.md §4.8) and the inputs its metrics
+        read. Fused (learner/logprobs.py: the loss and its gradient in one pass over the lm_head, the TIS weight taken
+        inside it where the policy is its own old policy) where the token-level ratio allows; two-pass
+        (learner/grpo.py: grpo_loss on the log-probs) for sequence-level ratios and the off-policy mask, which need
+        the policy's log-probs before the loss. Scaled by 1/(GA·W) except dapo (already over the step's tokens),
+        DeepSpeed's own 1/GA and 1/world averaging undone by the caller's backward."""
+        g = self.cfg.grpo
+        if g.importance_sampling_level == "token" and g.off_policy_mask_threshold is None:
+            loss, logp, ent = self._fused_loss(mb, old, ref)
+            x = self._inputs(mb, logp, old if old is not None else logp, ref, ent)
+        else:
+            logp, ent = self._logp(mb, with_entropy=True)
+            x = self._inputs(mb, logp, old if old is not None else logp.detach(), ref, ent)
+            loss = grpo_loss(x, g, tis=self.tis, max_completion_length=self.cfg.generation.max_completion_length,
+                             token_weight=mb["weights"])
+            x = dataclasses.replace(x, logp=logp.detach(), entropy=None if ent is None else ent.detach())
+        if g.loss_type != "dapo":
+            loss = loss / (self.plan.gradient_accumulation_steps * self.world)
+        return loss, x
 
     def _check_finite(self, losses: torch.Tensor, inputs: list[LossInputs], forwards: list[dict]) -> None:
         """An optimizer step's per-forward losses, read back once: FloatingPointError naming the first non-finite one
@@ -370,9 +361,10 @@ class Learner:
         learner/mfu: their training_flops per second over the GPU's dense bf16 peak (the old-log-prob forward not
         counted), None where the peak is not known (CPU)."""
         s = max(seconds, 1e-9)
-        flops = training_flops(self._n_params, tokens, pairs, self._pair_flops)
+        lay = self.layout
+        flops = training_flops(lay.n_params, tokens, pairs, lay.pair_flops)
         return {"learner/tokens_per_s": tokens / s,
-                "learner/mfu": (flops / s / self._peak_flops) if self._peak_flops else None}
+                "learner/mfu": (flops / s / lay.peak_flops) if lay.peak_flops else None}
 
     # ---------------------------------------------------------------------- publish, save
 
@@ -416,24 +408,6 @@ class Learner:
             dist.barrier()
 
 
-def attention_flops_per_pair(mc: dict | None) -> int:
-    """FLOPs of attention's two matmuls (scores, weighted values) per (query, key) pair, forward and backward, over all
-    layers: 12·layers·heads·head_dim (verl's utils/flops_counter.py; nanoGPT's estimate_mfu: 12·L·H·Q·T per token).
-    `mc`: the language model's config.json (tandem.core.checks.language_model_config); 0 where it does not say the
-    shape."""
-    heads, layers = (mc or {}).get("num_attention_heads"), (mc or {}).get("num_hidden_layers")
-    if not heads or not layers:
-        return 0
-    return 12 * layers * heads * head_dim(mc)
-
-
-def training_flops(n_params: int, tokens: int, pairs: int, pair_flops: int) -> int:
-    """A training pass's FLOPs, forward and backward, as verl's flops counter and nanoGPT's estimate_mfu count them:
-    6 per parameter per token (N all parameters, embeddings included, and for LoRA as if the frozen weights took
-    gradients too) plus attention's, `pairs` = Σ s² over the sequences (non-causal count, as both)."""
-    return 6 * n_params * tokens + pair_flops * pairs
-
-
 def leave_sms_free(n: int, device) -> None:
     """This process's matmuls on all but `n` of the GPU's SMs (cluster.learner_sm_carveout): torch's SM carveout, which
     only cuBLASLt honours (aten/src/ATen/cuda/CUDABlas.cpp), so cuBLASLt becomes the preferred BLAS. Process-wide: in
@@ -447,16 +421,6 @@ def leave_sms_free(n: int, device) -> None:
                          f"allowed: 1 to {sms - 1}, or null")
     torch.backends.cuda.preferred_blas_library("cublaslt")
     torch._C._set_sm_carveout_experimental(n)
-
-
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12}
-
-
-def _peak_flops(device) -> float | None:
-    if getattr(device, "type", str(device)) != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16.items() if k in name), None)
 
 
 def _resolve(groups: list) -> list:

@@ -121,7 +121,7 @@ def real_tokens(mb: dict) -> int:
 
 def attention_pairs(mb: dict) -> int:
     """Σ s² over the micro-batch's sequences (s: a sequence's real tokens): the (query, key) pairs its attention
-    scores, as FLOP counts take them (learner/actor.py: training_flops)."""
+    scores, as FLOP counts take them (learner/layout.py: training_flops)."""
     s = mb["cu_seq_lens"].diff() if "gather" in mb else mb["attention_mask"].sum(-1)
     return int((s.long() ** 2).sum())
 

@@ -136,8 +136,11 @@ def test_a_trl_script_runs_to_its_last_line_on_tandem_as_on_trl(ray_session, hub
         (tmp_path / name).mkdir()
         outs[name] = tmp_path / name / "Qwen-GRPO"
         (tmp_path / name / "train.py").write_text(text.replace("OUTPUT_DIR", repr(str(outs[name]))))
+    # a fresh process as a user's: not the torch.distributed variables this one's in-process learners set
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                                                          "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     p = subprocess.run([sys.executable, "train.py"], cwd=tmp_path / "trl", capture_output=True, text=True,
-                       env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), timeout=300)
+                       env=dict(env, CUDA_VISIBLE_DEVICES=""), timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     check_trl_script(outs["trl"], json.loads(Path(f"{outs['trl']}.json").read_text()))
     ns = runpy.run_path(str(tmp_path / "tandem" / "train.py"), run_name="__main__")  # its functions are __main__'s

@@ -1,4 +1,4 @@
-"""learner/mfu's FLOP count (learner/actor.py: training_flops) against torch's own FLOP counter on a real forward and
+"""learner/mfu's FLOP count (learner/layout.py: training_flops) against torch's own FLOP counter on a real forward and
 backward, and the attention pairs it reads (learner/batch.py: attention_pairs) alike for packed and padded batches."""
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from tandem.learner.actor import attention_flops_per_pair, training_flops
 from tandem.learner.batch import attention_pairs, real_tokens
+from tandem.learner.layout import attention_flops_per_pair, training_flops
 from tests.unit.test_padding_free import batches
 
 

@@ -1,0 +1,85 @@
+"""How a learner rank runs its forwards, decided once at setup from the model, the job and the GPU, then read-only:
+whether sequences are packed, the token budget of a forward, gradient checkpointing, Liger's layers, the pad id,
+and what learner/mfu divides by."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.core.engine_memory import head_dim
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A rank's arguments, kept from the constructor to setup (torchtune's lifecycle: the actor is built cheaply,
+    setup() does the work)."""
+    master: str
+    port: int
+    total_steps: int
+    optimizer: object  # callable(params) -> torch optimizer replacing AdamW (tests' SGD), or None
+    probe: str | None  # a file the controller wrote under output_dir: setup() refuses a rank that cannot read it
+
+
+@dataclass(frozen=True)
+class Layout:
+    packed: bool  # sequences packed back to back (the model takes packed attention), else padded
+    token_budget: int | None  # tokens per forward where sequences are regrouped by length; None: the plan's rows
+    checkpointing: bool  # gradient checkpointing on
+    liger: bool  # Liger's layers in the model
+    pad_id: int
+    n_params: int  # every parameter, full sizes under ZeRO-3 (learner/mfu's 6·N per token)
+    peak_flops: float | None  # the GPU's dense bf16 peak; None off a known GPU
+    pair_flops: int  # attention's FLOPs per (query, key) pair (0 where the shape is not known)
+
+
+def decide_layout(cfg, model, device) -> Layout:
+    """The layout of a rank whose model (DeepSpeed's module, on `device`) and frozen reference are placed: the token
+    budget is what memory is left for activations."""
+    from transformers import AutoTokenizer
+
+    from tandem.core.checks import language_model_config
+    from tandem.learner.memory import forward_layout
+    from tandem.learner.model import checkpointing, enable_checkpointing, packs_sequences, uses_liger
+
+    cuda = device.type == "cuda"
+    packed = packs_sequences(model)
+    mc = language_model_config(cfg.model.local_dir()) if cuda else None  # the language model's shape
+    budget, ck = forward_layout(
+        cfg, mc, packed, (torch.cuda.mem_get_info(device)[1], torch.cuda.memory_allocated(device)) if cuda else None)
+    if ck and cfg.model.gradient_checkpointing == "auto":
+        enable_checkpointing(model)
+    tok = AutoTokenizer.from_pretrained(cfg.model.local_dir())
+    return Layout(packed=packed, token_budget=budget, checkpointing=checkpointing(model), liger=uses_liger(model),
+                  pad_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+                  n_params=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
+                  peak_flops=peak_flops(device), pair_flops=attention_flops_per_pair(mc))
+
+
+def attention_flops_per_pair(mc: dict | None) -> int:
+    """FLOPs of attention's two matmuls (scores, weighted values) per (query, key) pair, forward and backward, over all
+    layers: 12·layers·heads·head_dim (verl's utils/flops_counter.py; nanoGPT's estimate_mfu: 12·L·H·Q·T per token).
+    `mc`: the language model's config.json (tandem.core.checks.language_model_config); 0 where it does not say the
+    shape."""
+    heads, layers = (mc or {}).get("num_attention_heads"), (mc or {}).get("num_hidden_layers")
+    if not heads or not layers:
+        return 0
+    return 12 * layers * heads * head_dim(mc)
+
+
+def training_flops(n_params: int, tokens: int, pairs: int, pair_flops: int) -> int:
+    """A training pass's FLOPs, forward and backward, as verl's flops counter and nanoGPT's estimate_mfu count them:
+    6 per parameter per token (N all parameters, embeddings included, and for LoRA as if the frozen weights took
+    gradients too) plus attention's, `pairs` = Σ s² over the sequences (non-causal count, as both)."""
+    return 6 * n_params * tokens + pair_flops * pairs
+
+
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12}
+
+
+def peak_flops(device) -> float | None:
+    if getattr(device, "type", str(device)) != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
