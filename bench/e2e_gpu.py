@@ -1,4 +1,4 @@
-"""End-to-end GRPO on one GPU (the GPU rollout issue's benchmark): Tandem max_staleness 0 and 1, the
+"""End-to-end GRPO on one GPU (the GPU rollout benchmark): Tandem max_staleness 0 and 1, the
 vLLM ceiling, TRL's GRPOTrainer in colocate mode; the same model (Qwen2.5-0.5B's shape, vocabulary
 151,936), data, reward, LoRA r=16, 32 prompts x 8 completions x up to 256 tokens per step, 20 steps after
 2 warm-up steps. Each candidate runs in a process of its own (bench/e2e.py), one after the other.

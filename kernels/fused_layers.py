@@ -2,8 +2,8 @@
 
 A decoder's norms and MLP activation are a dozen elementwise passes per layer in transformers' eager code (float32
 casts, square, mean, rsqrt, two multiplies; SiLU then a multiply), forward and again backward: on the 1.5B
-long-tail learner `aten::mul` and `aten::copy_` were a fifth of the GPU time (bench/results/learner_gpu.md, session
-17). Liger fuses each into one kernel. This is what transformers' Trainer patches for `use_liger_kernel=True`
+long-tail learner `aten::mul` and `aten::copy_` were a fifth of the GPU time (bench/results/learner_gpu.md, the run of
+2026-12-03). Liger fuses each into one kernel. This is what transformers' Trainer patches for `use_liger_kernel=True`
 (liger_kernel.transformers.monkey_patch), done per module instance instead: Liger's `apply_liger_kernel_to_*`
 also swaps the classes in transformers' modules, which would reach every model built later in the process
 (a frozen reference, the padding-free probe on the CPU). A patched layer takes Liger's kernel only for a CUDA

@@ -99,7 +99,8 @@ def _row_grad(z_ptr, z_stride, d_ptr, d_stride, ids_ptr, lse_ptr, g_ptr, V, inv_
 
 @triton.jit
 def _grpo_token(lp, old, adv, tis, ref, lo, hi, delta, beta, HAS_KL: tl.constexpr):
-    """GRPO per-token loss and its derivative in the log-prob (docs/grpo.md §4.3-4.7, loss.per_token_loss):
+    """GRPO per-token loss and its derivative in the log-prob (docs/grpo.md §4.3-4.7; must equal
+    learner/grpo.py's per_token_loss at token level, tests/unit/test_kernels_triton.py):
     -min(min(r, delta) A, clip(r, lo, hi) A) * tis + beta * k3, r = exp(clamp(lp - old, +-20)).
     Gradients follow torch's: clamp passes them on the closed interval, minimum splits ties."""
     lr = lp - old

@@ -2,8 +2,11 @@
 the advantages of the whole generation batch (§4.1-4.2; the reward total itself is tandem/core/shaping.py's, which
 the rollout worker's filter and the evaluation share), then per micro-batch the ratio, the clipped surrogate,
 truncated importance sampling, the KL term (§4.3-4.7), their aggregation by loss_type (§4.8) and the metrics (§5).
-The fused Triton kernels (kernels/) compute the same per-token terms; the float64 references in tests/ are the
-oracles of both.
+Its implementations on the training path, each tested equal to the function here that it names: the default job's
+loss is kernels/logprobs.py's grpo_token_terms (per_token_loss at token level, the TIS weight truncated_is =
+tis_weight's) and kernels/triton_logprobs.py's _grpo_token on CUDA; the learner takes this file's per_token_loss
+itself for sequence-level ratios and the off-policy mask (learner/actor.py, Learner._micro_batch_loss). A new
+clipping variant is one term here, the same term in grpo_token_terms and _grpo_token, and its config field.
 
 Shapes: B completions (rows) × T completion positions; `mask` is 1 on real completion tokens.
 Masked positions may hold anything (inf, NaN, 1e9): they are replaced before any arithmetic,

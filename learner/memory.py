@@ -40,14 +40,14 @@ def checkpointed_bytes_per_token(mc: dict, dtype_bytes: int) -> int:
         activation_bytes_per_token(mc, dtype_bytes) // mc["num_hidden_layers"]
 
 
-# Longer forwards gain little (bench/results/learner_gpu.md, session 17: ~10k tokens per forward 0.363 learner/mfu,
+# Longer forwards gain little (bench/results/learner_gpu.md, the 2026-12-03 run (e7b5564): ~10k tokens per forward 0.363 learner/mfu,
 # ~20k 0.374) and hold more memory (48 against 83 GiB there).
 MAX_AUTO_TOKENS = 16384
 # Below this many tokens a forward without checkpointing is slower than a checkpointed one of MAX_AUTO_TOKENS (there:
 # ~5k tokens 0.234 learner/mfu, ~20k checkpointed 0.285): auto checkpoints rather than shrink the forwards further.
 # Measured at 1.5B's width (MIN_FAST_WIDTH); a wider model does more work per token in each of its matmuls, so fewer
 # tokens fill them (min_fast_tokens): at 7B (3,584) 4,096-token forwards without checkpointing made a colocated step
-# 15.6 s against 18.0 s with checkpointed 16,384-token ones (bench/results/e2e_gpu_scale.md, session 20).
+# 15.6 s against 18.0 s with checkpointed 16,384-token ones (bench/results/e2e_gpu_scale.md, the 2026-12-03 run (e9191cf)).
 MIN_FAST_TOKENS = 8192
 MIN_FAST_WIDTH = 1536
 
@@ -59,12 +59,12 @@ def min_fast_tokens(mc: dict) -> int:
 
 
 # auto's activations take this share of the device, whatever is free, for a peak at or below TRL's beside the same
-# workload (issue 30's target): measured at 0.25, Tandem 59.4 GiB against TRL's 55.4 at 1.5B (14k-token forwards); at
-# 0.2 54.7 GiB beside the max_staleness 1 engine (bench/results/e2e_gpu_scale.md, session 19).
+# workload (the 1.5B long-tail benchmark): measured at 0.25, Tandem 59.4 GiB against TRL's 55.4 at 1.5B (14k-token forwards); at
+# 0.2 54.7 GiB beside the max_staleness 1 engine (bench/results/e2e_gpu_scale.md, the 2026-12-03 run (c488e7f)).
 ACTIVATION_SHARE = 0.2
 # ... or more, where the engine beside them is small: the two together up to this share. The engine's KV cache grows
 # with max_staleness (tandem/core/engine_memory.py); at 1.5B the k=0 engine holds ~7 GiB less than the k=1 one, and
-# its learner takes them (~14k-token forwards instead of ~11k, learner/mfu 0.471 against 0.411 in sessions 18-19),
+# its learner takes them (~14k-token forwards instead of ~11k, learner/mfu 0.471 against 0.411 in the runs of 2026-12-03 to 2026-12-03 (10868ea, c488e7f)),
 # for a peak under the k=1 one. A learner on a GPU of its own (no engine) takes this share.
 SHARED_GPU_SHARE = 0.34
 

@@ -3,7 +3,7 @@
 In bf16 at ZeRO-0, DeepSpeed steps through its FP16_Optimizer, whose CheckOverflow asks each gradient in turn
 whether it holds an inf or a NaN and reads every answer back to the host (deepspeed/runtime/utils.py,
 `has_overflow_serial`): with LoRA on every linear layer of a 28-layer model, 392 readbacks a step, each one
-waiting for the GPU to drain, the GPU idle between them (bench/results/e2e_gpu_scale.md, session 24). The same
+waiting for the GPU to drain, the GPU idle between them (bench/results/e2e_gpu_scale.md, the 2026-12-04 run (b4d5fbf)). The same
 answer from one multi-tensor max-abs reduction (NaN propagates through it) and one readback. The step still skips
 when the answer is yes, as DeepSpeed's own check would make it."""
 

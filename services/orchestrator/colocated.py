@@ -4,7 +4,7 @@ code and Ray's core worker: on the CPU benchmark's job 1.61 -> 1.36 GB of PSS at
 The engine loop samples in its thread while the learner trains in another of the same process: their
 kernels release the GIL, their host work shares it. On a GPU the learner's kernels go to a CUDA stream of their
 own: one process is one CUDA context, where a learner kernel can run beside the engine's (two processes' kernels
-only take turns: the 7B run of bench/results/e2e_gpu_scale.md, session 18, engine and learner each at half speed).
+only take turns: the 7B run of bench/results/e2e_gpu_scale.md, the 2026-12-03 run (10868ea), engine and learner each at half speed).
 
 Everything else is the server mode's: the rollout pool feeds this actor as any worker (slot 0), the
 LearnerGroup drives its learner through the `learner_*` methods. Its death is the learner's: the job

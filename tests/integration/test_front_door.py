@@ -216,3 +216,12 @@ def test_a_job_file_names_its_model_revision_and_data_by_hub_id(ray_session, hub
     saved = json.loads(next((tmp_path / "run" / "checkpoints").glob("*/tandem.json")).read_text())
     fp = saved["controller"]["fingerprint"]
     assert fp["data.path"] == "tandem-test/arith" and fp["data rows"] == 16 and len(fp["data content"]) == 16
+    # the files the run read are the revision's, not main's of the same name: their content digests
+    from huggingface_hub import constants
+
+    from tandem.services.orchestrator.checkpointer import _files_digest
+
+    snapshots = Path(constants.HF_HUB_CACHE) / "models--tandem-test--tiny" / "snapshots"
+    names = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
+    v2, main = (_files_digest(snapshots / hub_cache[r], names) for r in ("v2", "main"))
+    assert v2 != main and fp["model files"] == v2

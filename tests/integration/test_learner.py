@@ -84,8 +84,7 @@ def test_padding_free_micro_batches_match_the_padded_whole_batch(tmp_path, tiny_
     assert step["learner/tokens_per_s"] * step["train_s"] == pytest.approx(real, rel=1e-6)  # no padding counted
     assert step["learner/padding_frac"] == 0.0  # and none computed: padded, these micro-batches waste some
     phases = [step[f"learner/time/{p}_s"] for p in ("prepare", "forwards", "finish")]  # where train_s went
-    assert min(phases) >= 0 and sum(phases) == pytest.approx(step["train_s"], abs=1e-6)
-    assert phases[1] > max(phases[0], phases[2])  # 4 forwards and backwards against packing and statistics
+    assert min(phases) >= 0 and sum(phases) == pytest.approx(step["train_s"], abs=1e-6)  # a split, not a speed
     if loss_type != "dapo":
         return
     padded = started(Learner(job(tmp_path, tiny_model, per=2, ga=4, spg=4, loss_type=loss_type, zero=zero,

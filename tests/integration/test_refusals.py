@@ -1,4 +1,4 @@
-"""What `tandem run` refuses or reports, on the embedded Ray, each as one true line (issue 26): checkpoints
+"""What `tandem run` refuses or reports, on the embedded Ray, each as one true line: checkpoints
 it cannot resume from, a run with nothing to train on, a run directory it cannot write or that a running job
 holds, an actor's error that does not unpickle, a resource no node has, a metrics line a crash cut; and no
 semaphore or scratch directory left in /dev/shm after a run."""

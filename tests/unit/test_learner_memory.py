@@ -143,7 +143,7 @@ QWEN_7B = {"hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads"
 
 def test_a_wider_model_skips_checkpointing_at_fewer_tokens():
     """7B on an H200 beside its engine: ~5k tokens fit without checkpointing, fewer than 1.5B's MIN_FAST_TOKENS but
-    more than the width-scaled threshold (a 7B token's matmuls are 2.3x as wide): no checkpointing (session 20
+    more than the width-scaled threshold (a 7B token's matmuls are 2.3x as wide): no checkpointing (the 2026-12-03 run (e9191cf)
     measured 4,096-token forwards so faster than checkpointed 16,384-token ones)."""
     from tandem.learner.memory import ACTIVATION_SHARE, MIN_FAST_TOKENS, forward_layout, min_fast_tokens
 

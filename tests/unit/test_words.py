@@ -1,0 +1,63 @@
+"""The repository speaks of the project, in words a reader can follow: no numbered item of the work's history ("issue
+30", "session 12", "task 7") in any tracked file (a result is labelled by its date, machine and commit), and every
+path of this repository that a file cites exists (a link check)."""
+
+import re
+import subprocess
+
+import pytest
+
+from tests.helpers import ROOT
+
+HISTORY = re.compile(r"\b(issue|session|task|stop)s?[\s#-]*\d+", re.IGNORECASE)
+TOP = ("bench", "deploy", "docs", "examples", "kernels", "learner", "rollout", "services", "tandem", "tests")
+# a file, by its extension (a metric such as learner/mfu or a prefix such as rollout/0/ is not one)
+CITED = re.compile(r"(?<![\w/.-])((?:%s)/[\w./-]*?\.(?:py|md|json|jsonl|sh|yaml|yml|txt|png|toml)\b)"
+                   % "|".join(TOP))
+TEXT = (".py", ".md", ".sh", ".yaml", ".yml", ".toml", ".txt", ".json", ".cfg")
+
+
+def tracked() -> list:
+    names = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    return [ROOT / n for n in names if n.endswith(TEXT) or n in ("Makefile",)]
+
+
+def history_refs(text: str) -> list[str]:
+    return [m[0] for m in HISTORY.finditer(text)]
+
+
+def missing_citations(text: str) -> list[str]:
+    """Paths of this repository the text names that do not exist (globs, placeholders and run outputs left out)."""
+    out = []
+    for m in CITED.finditer(text):
+        path = m[1]
+        if text[max(m.start() - 3, 0):m.start()] == '/ "':  # a path joined at runtime (tmp_path / "learner/x.py")
+            continue
+        if any(c in path for c in "*{<") or path.startswith(("tests/tmp", "tandem/services", "tandem/learner",
+                                                             "tandem/rollout", "tandem/kernels")):
+            continue  # a pattern, or the import name of a top-level folder (tandem.* remapped)
+        if not (ROOT / path).exists():
+            out.append(path)
+    return out
+
+
+def test_no_file_cites_a_numbered_item_of_the_works_history():
+    found = {str(f.relative_to(ROOT)): refs for f in tracked() if f.is_file()
+             and (refs := history_refs(f.read_text(errors="replace")))}
+    assert found == {}
+
+
+def test_every_path_a_file_cites_exists():
+    found = {str(f.relative_to(ROOT)): bad for f in tracked() if f.is_file() and not f.name.endswith(".json")
+             and (bad := missing_citations(f.read_text(errors="replace")))}
+    assert found == {}
+
+
+@pytest.mark.parametrize("text,history,missing", [
+    ("measured in session 24 (bench/results/e2e_gpu_scale.md)", ["session 24"], []),
+    ("issue #30's target; see learner/no_such_module.py.", ["issue #30"], ["learner/no_such_module.py"]),
+    ("Tasks 3 and\nsession\n12", ["Tasks 3", "session\n12"], []),
+    ("the 2026-12-03 run (bafd0fc), docs/grpo.md", [], []),
+])
+def test_the_checks_find_what_they_name(text, history, missing):
+    assert history_refs(text) == history and missing_citations(text) == missing
