@@ -34,5 +34,5 @@ clean:
 # The main job: build + warm up a tiny model here, then GRPO with LoRA on embedded Ray + vLLM + DeepSpeed.
 demo: install
 	$(BIN)/python examples/sevens/prepare.py runs/sevens
-	rm -rf runs/sevens/metrics.jsonl runs/sevens/checkpoints runs/sevens/eval
+	rm -rf runs/sevens/metrics.jsonl runs/sevens/checkpoints runs/sevens/checkpoint-* runs/sevens/eval
 	$(BIN)/python -m tandem.services.devtools.demo examples/sevens.yaml

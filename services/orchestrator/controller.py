@@ -53,7 +53,7 @@ from tandem.services.orchestrator.prompt_source import PromptSource
 from tandem.services.orchestrator.rollout_pool import RolloutPool, lost_object
 from tandem.services.orchestrator.run_log import EXPORTED, RunLog, rollout_rates, series_name  # noqa: F401 - deploy/ reads EXPORTED
 from tandem.services.orchestrator.trackers import Trackers
-from tandem.services.orchestrator.trl_checkpoint import Epochs, write_trl_checkpoint
+from tandem.services.orchestrator.trl_checkpoint import Epochs, trl_checkpoints, write_trl_checkpoint
 
 NOTICES: collections.deque = collections.deque(maxlen=100)  # said since the driver last asked (step() hands them on)
 
@@ -266,8 +266,9 @@ class Controller:
         the model the job trains: examples keep it at <output_dir>/model)."""
         out = Location(self.cfg.logging.output_dir)
         model = Path(self.cfg.model.path).resolve()
+        trl = [ck for _, ck in trl_checkpoints(str(out))]  # TRL's checkpoint-N copies of the same run
         for d in (out / "metrics.jsonl", out / "failed_prompts.jsonl", Location(self.cfg.checkpoint_dir),
-                  out / "adapter", out / "model"):
+                  out / "adapter", out / "model", *trl):
             if is_uri(d) or not model.is_relative_to(Path(d).resolve()):  # the job's model in its run dir stays
                 Store(d).delete()
 
