@@ -28,6 +28,7 @@ from tandem.learner.grpo import (
     grpo_loss,
     grpo_metrics,
     tis_weight,
+    token_term_params,
     with_overlong_column,
 )
 from tandem.learner.layout import Launch, Layout, decide_layout, training_flops
@@ -217,8 +218,7 @@ class Learner:
             tis_from = TisFromLogp(mb["sampler_logp"], g.vllm_importance_sampling_cap,
                                    g.vllm_importance_sampling_clip_min, mode) if mode.startswith("token") else tis_of
         return completion_grpo_loss(self.model, mb, self.cfg.generation.temperature, mb["weights"], old_logp=old,
-                                    ref_logp=ref, tis=tis, tis_from=tis_from,
-                                    epsilon=g.epsilon, epsilon_high=g.epsilon_high, delta=g.delta, beta=g.beta)
+                                    ref_logp=ref, tis=tis, tis_from=tis_from, **token_term_params(g))
 
     # ------------------------------------------------------------------------------- train
 

@@ -179,6 +179,13 @@ def off_policy_mask(advantages, logp, sampler_logp, mask, threshold):
     return keep.to(logp.dtype)
 
 
+def token_term_params(g) -> dict:
+    """The grpo section's scalars that the per-token terms read, as the fused path's keywords (kernels/logprobs.py:
+    grpo_token_terms; kernels/triton_logprobs.py: linear_grpo_loss_triton): a new term's parameter is added here,
+    not along the path between."""
+    return {"epsilon": g.epsilon, "epsilon_high": g.epsilon_high, "delta": g.delta, "beta": g.beta}
+
+
 def per_token_loss(
     logp,
     old_logp,

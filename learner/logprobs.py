@@ -11,12 +11,9 @@ import dataclasses
 
 import torch
 
-from tandem.core.config import GRPOConfig
 from tandem.kernels.logprobs import TisFromLogp, grpo_token_terms, linear_grpo_loss, linear_logprobs, selective_logprobs
 from tandem.learner.batch import mask_positions
 from tandem.learner.model import decoder_and_head
-
-_G = GRPOConfig()  # the spec's defaults, from the job schema (tandem.core): one definition
 
 
 def _decoded(model, batch):
@@ -130,10 +127,11 @@ def _scatter(x, idx, B: int, T: int):
 
 
 def completion_grpo_loss(model, batch, temperature: float, token_weight, *, old_logp=None, ref_logp=None, tis=None,
-                         tis_from=None, epsilon=_G.epsilon, epsilon_high=_G.epsilon_high, delta=_G.delta, beta=_G.beta,
-                         chunk=None):
+                         tis_from=None, chunk=None, **terms):
     """The micro-batch's GRPO loss, sum_t token_weight * loss_t (token_weight [B, T] from
-    loss.token_weights), token-level ratios. [B, T] inputs; old_logp None = on-policy.
+    learner/forwards.py's plan_weights), token-level ratios. [B, T] inputs; old_logp None = on-policy. `terms`: the
+    per-token terms' scalars (learner/grpo.py's token_term_params: epsilon, epsilon_high, delta, beta), passed as
+    they are to kernels/logprobs.py's grpo_token_terms, whose defaults are the spec's.
     `tis_from`: on-policy with truncated importance sampling, the weight taken from this pass's own log-probs:
     a kernels.TisFromLogp (sampler_logp [B, T]; token modes) inside the loss's own lm_head pass, or a function
     `tis_from(logp [B, T]) -> tis [B, T]` (sequence modes) after an lm_head pass of its own, rather than from a
@@ -155,8 +153,7 @@ def completion_grpo_loss(model, batch, temperature: float, token_weight, *, old_
             with torch.no_grad():
                 tis = tis_from(full(_head_logprobs(head, w, h, ids, temperature, chunk or 1024)[0]))
         adv = batch["advantages"].float().unsqueeze(-1).expand(B, T).reshape(-1)[idx]
-        kw = dict(epsilon=epsilon, epsilon_high=epsilon_high, delta=delta, beta=beta, ref_logp=pick(ref_logp),
-                  tis=pick(tis))
+        kw = dict(terms, ref_logp=pick(ref_logp), tis=pick(tis))
         if in_pass:
             kw["tis_from"] = dataclasses.replace(tis_from, sampler_logp=pick(tis_from.sampler_logp))
         if w is not None:

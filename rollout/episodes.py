@@ -88,7 +88,8 @@ class Episode:
         self.logprobs = [0.0] * len(lead) + self.logprobs
 
     def completion(self) -> Completion:
-        return Completion(np.asarray(self.ids, dtype=np.int32), np.asarray(self.logprobs, dtype=np.float32), self.eos)
+        return Completion(np.asarray(self.ids, dtype=np.int32), np.asarray(self.logprobs, dtype=np.float32), self.eos,
+                          np.asarray(self.mask, dtype=bool))
 
 
 class ToolTurnTemplate:

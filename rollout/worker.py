@@ -273,13 +273,14 @@ class RolloutWorker:
             self._stats["tokens"] += int(len(tokens))
             self._times["score_s"] += score_s
         return RolloutGroup(
-            group_id=it.group_id, index=it.index, prompt_ids=it.prompt_ids,
+            group_id=it.group_id, index=it.index, prompt_ids=it.prompt_ids if req.prompt_ids is None else req.prompt_ids,
             tokens=tokens.astype(np.int32), offsets=offsets, sampler_logprobs=lps.astype(np.float32),
             eos=np.array([c.eos for c in comps], dtype=bool), rewards=rewards, version=req.version,
             worker=self.worker_id, columns=it.columns,
             timings={"queue_s": max(t0 - it.queued_at, 0.0) if it.queued_at else 0.0,
                      "generate_s": t1 - req.submitted, "score_s": score_s},
-            loss_mask=None if eps is None else np.concatenate([np.asarray(e.mask, dtype=bool) for e in eps]),
+            loss_mask=None if all(c.mask is None for c in comps) else np.concatenate(
+                [np.ones(len(c.tokens), dtype=bool) if c.mask is None else c.mask for c in comps]),
             episodes=None if eps is None else episode_stats(eps),
         )
 
@@ -305,6 +306,7 @@ class Sampled:
     submitted: float
     episodes: list[Episode] | None = None
     envs: list | None = None  # each episode's environment instance
+    prompt_ids: np.ndarray | None = None  # the group's prompt where its episodes began from prompts of their own
 
 
 def seeded(sampling: Sampling, seed: int, group_id: int) -> Sampling:
@@ -336,12 +338,13 @@ async def item_episodes(w, it: PromptItem, sampling: Sampling) -> Sampled | Roll
             return RolloutFailure(it.group_id, it.index, str(e), w.worker_id, retryable=False)
         tools = [dict(w.episodes.tools, **w.environments.tools(e)) for e in envs]
     eps, version, submitted = await w.episodes.group(prompts, sampling, it.min_version, tools)
-    if len(prompts) > 1:
+    group_prompt = None
+    if len(prompts) > 1:  # the group's prompt is their common start; each episode carries the rest as context
         start = common_prefix(prompts)
         for e, p in zip(eps, prompts):
             e.after(p[start:].tolist())
-        it.prompt_ids = prompts[0][:start]
-    return Sampled([e.completion() for e in eps], version, submitted, eps, envs)
+        group_prompt = prompts[0][:start]
+    return Sampled([e.completion() for e in eps], version, submitted, eps, envs, group_prompt)
 
 
 def common_prefix(arrays: list[np.ndarray]) -> int:

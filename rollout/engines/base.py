@@ -32,6 +32,9 @@ class Completion:
     tokens: np.ndarray  # int32 [L], the EOS token included when it was sampled
     logprobs: np.ndarray  # float32 [L], processed (after temperature and filters)
     eos: bool
+    # bool [L]: the tokens the model sampled (True) and those a tool or the environment put there (False), which the
+    # loss reads as context only; None: every token is the model's. Carried as it is into RolloutGroup.loss_mask.
+    mask: np.ndarray | None = None
 
 
 class Engine:

@@ -4,6 +4,7 @@ path of this repository that a file cites exists (a link check)."""
 
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -42,14 +43,14 @@ def missing_citations(text: str) -> list[str]:
 
 
 def test_no_file_cites_a_numbered_item_of_the_works_history():
-    found = {str(f.relative_to(ROOT)): refs for f in tracked() if f.is_file()
-             and (refs := history_refs(f.read_text(errors="replace")))}
+    found = {str(f.relative_to(ROOT)): refs for f in tracked() if f.is_file() and f.resolve() != Path(__file__).resolve()
+             and (refs := history_refs(f.read_text(errors="replace")))}  # this file's examples are the check's own
     assert found == {}
 
 
 def test_every_path_a_file_cites_exists():
     found = {str(f.relative_to(ROOT)): bad for f in tracked() if f.is_file() and not f.name.endswith(".json")
-             and (bad := missing_citations(f.read_text(errors="replace")))}
+             and f.resolve() != Path(__file__).resolve() and (bad := missing_citations(f.read_text(errors="replace")))}
     assert found == {}
 
 
@@ -61,3 +62,56 @@ def test_every_path_a_file_cites_exists():
 ])
 def test_the_checks_find_what_they_name(text, history, missing):
     assert history_refs(text) == history and missing_citations(text) == missing
+
+
+def our_classes() -> dict[str, set[str]]:
+    """{class name: its methods and attributes} of every class in the packages (read from the source)."""
+    import ast
+
+    out: dict[str, set[str]] = {}
+    for folder in ("tandem", "services", "learner", "rollout", "kernels"):
+        for f in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    names = out.setdefault(node.name, set())
+                    for sub in ast.walk(node):
+                        if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                            names.add(sub.name)
+                        elif isinstance(sub, ast.AnnAssign) and isinstance(sub.target, ast.Name):
+                            names.add(sub.target.id)
+                        elif isinstance(sub, ast.Attribute) and getattr(sub.value, "id", None) == "self":
+                            names.add(sub.attr)
+    return out
+
+
+def unknown_identifiers(text: str, classes: dict[str, set[str]]) -> list[str]:
+    """Code names in backticks that say they are ours and are not: `Class.member` of one of our classes, and
+    `kernels.module.Name` (or tandem.*) that does not import."""
+    import importlib
+
+    out = []
+    for cls, member in re.findall(r"`([A-Z]\w+)\.(\w+)`", text):
+        if cls in classes and member not in classes[cls]:
+            out.append(f"{cls}.{member}")
+    for dotted in re.findall(r"`((?:tandem\.)?(?:core|kernels|learner|rollout|services)\.[\w.]+)`", text):
+        name = dotted if dotted.startswith("tandem.") else f"tandem.{dotted}"
+        module, _, attr = name.rpartition(".")
+        try:
+            found = hasattr(importlib.import_module(module), attr)
+        except ImportError:
+            found = False
+        if not found:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                out.append(dotted)
+    return out
+
+
+def test_the_code_names_the_readme_and_docs_give_exist():
+    classes = our_classes()
+    found = {str(f.relative_to(ROOT)): bad for f in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+             if (bad := unknown_identifiers(f.read_text(), classes))}
+    assert found == {}
+    assert unknown_identifiers("`Learner.needs_old`, `Learner.needs_new`, `kernels.logprobs.NoSuch`", classes) == [
+        "Learner.needs_new", "kernels.logprobs.NoSuch"]
