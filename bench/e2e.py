@@ -83,6 +83,13 @@ WORKLOADS.update({
 })
 
 
+# "custom": any Qwen2 shape, for a reader to check a claim at the size they train: the 0.5B workload's batch, LoRA and
+# dtype, the model and lengths from --set (layers, hidden, heads, kv_heads, intermediate, vocab, tie, dtype,
+# max_completion_length; `--set longtail='{...}'` adds the long-tail warm-up as the scale workloads have it).
+WORKLOADS["custom"] = dict(WORKLOADS["gpu"], steps=6)
+MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "tie", "dtype")
+
+
 def on_gpu_machine() -> bool:
     import torch
 
@@ -613,12 +620,33 @@ def table(out_dir: Path, names: list[str], ceiling: str | None, peer: str) -> st
 
 
 def workload(workloads: dict, name: str, sets: list[str]) -> dict:
-    """The named workload with `--set key=value` (JSON values) applied."""
-    wl = dict(workloads[name])
+    """The named workload with `--set key=value` (JSON values, a bare word a string) applied: the model's shape by its
+    keys (MODEL_KEYS), max_completion_length as the completions' cap, anything else at the top. A shape the model
+    cannot have is refused naming the key."""
+    wl = dict(workloads[name], model=dict(workloads[name]["model"]))
     for item in sets:
         key, v = item.split("=", 1)
-        wl[key] = json.loads(v)
+        try:
+            value = json.loads(v)
+        except ValueError:
+            value = v
+        if key in MODEL_KEYS:
+            wl["model"][key] = value
+        else:
+            wl["max_tokens" if key == "max_completion_length" else key] = value
+    m = wl["model"]
+    if m["hidden"] % m["heads"] or m["heads"] % m["kv_heads"]:
+        raise SystemExit(f"--set: hidden {m['hidden']} must be a multiple of heads {m['heads']}, and heads of kv_heads "
+                         f"{m['kv_heads']} (Qwen2's attention)")
     return wl
+
+
+def workload_dir(name: str, wl: dict) -> str:
+    """One model per workload, built once per machine; a custom one per shape."""
+    if name != "custom":
+        return name
+    m = wl["model"]
+    return "custom-" + "-".join(f"{k}{m[k]}" for k in MODEL_KEYS) + f"-len{wl['max_tokens']}"
 
 
 def main():
@@ -635,7 +663,7 @@ def main():
     r.add_argument("--vllm-memory", type=float, default=None,
                    help="vllm_gpu_memory_utilization of every candidate; default: Tandem's (auto), TRL's (0.3) for "
                         "TRL and the ceiling")
-    r.add_argument("--set", action="append", default=[], help="workload key=value (e.g. prompts=8)")
+    r.add_argument("--set", action="extend", nargs="+", default=[], help="workload key=value ... (e.g. prompts=8)")
     t = sub.add_parser("table")
     t.add_argument("out_dir")
     t.add_argument("--names", default="tandem_k0,tandem_k1,vllm_ceiling,vllm_merged,trl_colocate")
@@ -647,7 +675,7 @@ def main():
         print(text)
         return
     wl = workload(WORKLOADS, a.workload, a.set)
-    a.dir = str(Path(a.dir) / a.workload)  # one model per workload, built once per machine
+    a.dir = str(Path(a.dir) / workload_dir(a.workload, wl))
     paths = prepare(Path(a.dir), wl)
     if a.candidate in TANDEM:
         k, mode, vllm = TANDEM[a.candidate]

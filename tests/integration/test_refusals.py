@@ -210,5 +210,6 @@ def test_no_semaphore_or_scratch_dir_is_left_in_dev_shm(tmp_path, tiny_model):
     p = subprocess.run([sys.executable, "-m", "tandem.services.app.cli", "run", str(job)], capture_output=True, text=True,
                        cwd=ROOT, timeout=300)
     assert p.returncode == 2, p.stderr[-2000:]
+    assert "Token authentication" not in p.stderr + p.stdout  # its Ray has token auth on, and does not ask to turn it off
     time.sleep(1)
     assert not shm_entries() - before, sorted(shm_entries() - before)

@@ -91,3 +91,22 @@ def test_a_failed_run_is_the_python_error_of_its_cause():
     assert str(refused) == ("GRPOConfig.output_dir = 'r': holds an earlier run (x); allowed: "
                             "train(resume_from_checkpoint=True) to continue it, GRPOConfig(overwrite_output_dir=True) "
                             "to start over there, or another directory")
+
+
+def test_push_to_hub_without_a_token_is_one_line_naming_what_it_needs(hub_cache, tmp_path, monkeypatch):
+    """Online but with no token anywhere: refused before anything is written or sent, naming where a token may come
+    from (offline is the integration test's case)."""
+    from huggingface_hub import constants
+
+    from tandem import GRPOConfig, GRPOTrainer
+    from tandem.core.errors import JobConfigError
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # huggingface_hub's switch, read once at its import
+    monkeypatch.delenv("HF_TOKEN", raising=False)  # and no token file: HF_HOME is the session's own (conftest)
+    trainer = GRPOTrainer(model=hub_cache["model"], reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          args=GRPOConfig(output_dir=str(tmp_path / "run"), bf16=False),
+                          train_dataset=[{"prompt": "1 + 1"}])
+    with pytest.raises(JobConfigError, match=r"^push_to_hub\(\): no Hugging Face token; allowed: `hf auth login`, "
+                                             r"HF_TOKEN, GRPOConfig\(hub_token=...\), or push_to_hub\(token=...\)$"):
+        trainer.push_to_hub()
+    assert not (tmp_path / "run").exists()

