@@ -7,7 +7,6 @@ controller's record) stays in `checkpoints/cycle-N/`; `checkpoint-N/tandem_check
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -78,16 +77,22 @@ def log_history(lines: list[dict], rewards: list[str], epochs: Epochs | None) ->
     return [row for x in lines if "step" in x for row in log_rows(x, rewards, epochs)]
 
 
-def trainer_state(lines: list[dict], cfg, global_step: int, max_steps: int, epochs: Epochs | None):
-    """transformers' TrainerState of the run at `global_step` (its own class: `trainer_state.json` as TRL writes)."""
-    from transformers import TrainerState
-
-    return TrainerState(
-        epoch=epochs.at(global_step) if epochs else None, global_step=global_step, max_steps=max_steps,
-        num_train_epochs=max(int(cfg.batch.num_train_epochs), 1), save_steps=cfg.checkpoint.save_steps,
-        train_batch_size=cfg.batch.per_device_train_batch_size,
-        log_history=log_history([x for x in lines if x.get("step", 0) <= global_step], reward_names(cfg.rewards),
-                                epochs))
+def trainer_state(lines: list[dict], cfg, global_step: int, max_steps: int, epochs: Epochs | None) -> dict:
+    """The run at `global_step` as transformers' TrainerState's fields (what its save_to_json writes, which
+    TrainerState.load_from_json reads back): written here as a dict, so that the controller, which never imports
+    torch, need not import transformers' trainer for it."""
+    return {
+        "best_global_step": None, "best_metric": None, "best_model_checkpoint": None,
+        "epoch": epochs.at(global_step) if epochs else None, "eval_steps": cfg.eval.eval_steps or 500,
+        "global_step": global_step, "is_hyper_param_search": False, "is_local_process_zero": True,
+        "is_world_process_zero": True,
+        "log_history": log_history([x for x in lines if x.get("step", 0) <= global_step], reward_names(cfg.rewards),
+                                   epochs),
+        "logging_steps": 1, "max_steps": max_steps, "num_input_tokens_seen": 0,
+        "num_train_epochs": max(int(cfg.batch.num_train_epochs), 1), "save_steps": cfg.checkpoint.save_steps,
+        "stateful_callbacks": {}, "total_flos": 0, "train_batch_size": cfg.batch.per_device_train_batch_size,
+        "trial_name": None, "trial_params": None,
+    }
 
 
 def write_trl_checkpoint(ckpt: str, cfg, lines: list[dict], max_steps: int, epochs: Epochs | None) -> Location:
@@ -104,8 +109,7 @@ def write_trl_checkpoint(ckpt: str, cfg, lines: list[dict], max_steps: int, epoc
     out.write_bytes(f"{name}/{POINTER}", Location(ckpt).name.encode())
     state = trainer_state(lines, cfg, step, max_steps, epochs)
     # TrainerState.save_to_json's text, through the store (a URI has no local path to give it)
-    out.write_bytes(f"{name}/trainer_state.json",
-                    (json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n").encode())
+    out.write_bytes(f"{name}/trainer_state.json", (json.dumps(state, indent=2, sort_keys=True) + "\n").encode())
     prune(cfg.logging.output_dir, cfg.checkpoint.save_total_limit)
     return Location(cfg.logging.output_dir) / name
 

@@ -110,3 +110,47 @@ def test_push_to_hub_without_a_token_is_one_line_naming_what_it_needs(hub_cache,
                                              r"HF_TOKEN, GRPOConfig\(hub_token=...\), or push_to_hub\(token=...\)$"):
         trainer.push_to_hub()
     assert not (tmp_path / "run").exists()
+
+
+def test_a_trl_checkpoint_is_written_without_torch_and_loads_as_transformers_state(tmp_path):
+    """write_trl_checkpoint runs in the controller, which never imports torch: it writes checkpoint-N (the adapter, the
+    tokenizer files, trainer_state.json last) in a process that imports neither torch nor transformers, and
+    transformers' own TrainerState.load_from_json reads the state back; save_total_limit keeps the newest."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import TrainerState
+
+    ck = tmp_path / "run" / "checkpoints"
+    for step in (2, 4):
+        (ck / f"cycle-00000{step}" / "adapter").mkdir(parents=True)
+        (ck / f"cycle-00000{step}" / "adapter" / "adapter_config.json").write_text("{}")
+        (ck / f"cycle-00000{step}" / "tandem.json").write_text(json.dumps({"steps": step}))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.1 * s, "lr": 1e-3}) + "\n"
+                                                    for s in (1, 2, 3, 4)))
+    code = f"""
+import json, sys
+from pathlib import Path
+from tandem.core.config import JobConfig
+from tandem.services.orchestrator.trl_checkpoint import Epochs, write_trl_checkpoint
+cfg = JobConfig.from_dict({{"model": {{"path": {str(tmp_path / "model")!r}}}, "data": {{"path": "d.jsonl"}},
+                           "rewards": ["r.py:f"], "logging": {{"output_dir": {str(tmp_path / "run")!r}}},
+                           "checkpoint": {{"save_total_limit": 1}}}})
+lines = [json.loads(x) for x in Path({str(tmp_path / "metrics.jsonl")!r}).read_text().splitlines()]
+for step in (2, 4):
+    write_trl_checkpoint({str(ck)!r} + f"/cycle-00000{{step}}", cfg, lines, 8, Epochs(2, 4, 16))
+print(json.dumps(sorted(m for m in ("torch", "transformers") if m in sys.modules)))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == []
+    out = tmp_path / "run"
+    assert sorted(x.name for x in out.glob("checkpoint-*")) == ["checkpoint-4"]  # save_total_limit 1
+    assert sorted(x.name for x in (out / "checkpoint-4").iterdir()) == [
+        "adapter_config.json", "tandem_checkpoint", "tokenizer.json", "trainer_state.json"]
+    state = TrainerState.load_from_json(str(out / "checkpoint-4" / "trainer_state.json"))
+    assert (state.global_step, state.max_steps, state.epoch) == (4, 8, 0.5)
+    assert [r["step"] for r in state.log_history] == [1, 2, 3, 4] and state.log_history[0]["learning_rate"] == 1e-3
