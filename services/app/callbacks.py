@@ -8,6 +8,8 @@ hold several optimizer steps: their hooks are called one after the other)."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +62,35 @@ class RunEvents:
         self.callbacks, self.args, self.state, self.cfg, self.epochs = callbacks, args, state, cfg, epochs
         self.control = TrainerControl()
         self.metrics = Path(cfg.run_dir) / "metrics.jsonl"
-        self.read = len(self._lines())  # what an earlier run (a resumed one) logged is history already
+        self.offset = self._size()  # what an earlier run (a resumed one) logged is history already
+        self.last_step = max((x.get("step", 0) for x in read_metrics(self.metrics)), default=0) if self.offset else 0
         self.saved = {n for n, _ in trl_checkpoints(cfg.logging.output_dir)}
         self.rewards = reward_names(cfg.rewards)
 
-    def _lines(self) -> list[dict]:
-        return read_metrics(self.metrics) if self.metrics.is_file() else []
+    def _size(self) -> int:
+        return self.metrics.stat().st_size if self.metrics.is_file() else 0
+
+    def _new_lines(self) -> list[dict]:
+        """The whole lines written since the last call (read from where that one stopped, not the file again). A
+        file grown shorter (a restart cut the lines after its checkpoint) is read again from its start, the steps
+        already reported skipped."""
+        if self._size() < self.offset:
+            self.offset = 0
+        with open(self.metrics, "rb") if self.metrics.is_file() else open(os.devnull, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        whole = data[:data.rfind(b"\n") + 1]  # a line being written waits for the next call
+        self.offset += len(whole)
+        out = []
+        for x in whole.decode().splitlines():
+            try:
+                line = json.loads(x)
+            except ValueError:
+                continue
+            step = line.get("step", 0)
+            if step > self.last_step or (step == self.last_step == 0 and "loss" not in line):  # or the evaluation at 0
+                out.append(line)
+        return out
 
     def _fire(self, event: str, **kw: Any) -> None:
         self.control = self.callbacks.fire(event, self.args, self.state, self.control, **kw)
@@ -75,8 +100,8 @@ class RunEvents:
 
     def after_cycle(self, _result: dict | None = None) -> bool:
         """The hooks for what the cycle logged and saved. -> a callback asked to stop."""
-        lines = self._lines()
-        for line in lines[self.read:]:
+        for line in self._new_lines():
+            self.last_step = max(self.last_step, int(line.get("step", 0)))
             for row in log_rows(line, self.rewards, self.epochs):
                 self.state.log_history.append(row)
                 if any(k.startswith("eval_") for k in row):
@@ -85,7 +110,6 @@ class RunEvents:
                     self.state.global_step, self.state.epoch = row["step"], row.get("epoch")
                     self._fire("on_step_end")
                 self._fire("on_log", logs=row)
-        self.read = max(self.read, len(lines))
         for step, _ in trl_checkpoints(self.cfg.logging.output_dir):
             if step not in self.saved:
                 self.saved.add(step)

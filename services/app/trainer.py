@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import shutil
 import sys
 import sysconfig
 import time
@@ -216,9 +217,7 @@ class GRPOTrainer:
             raise TypeError(f"train() got an unexpected keyword argument {unknown[0]!r}")
         try:
             return self._train(resume_from_checkpoint)
-        except (KeyboardInterrupt, TypeError):
-            raise
-        except Exception as e:  # noqa: BLE001 - every error of the run becomes a TandemError
+        except Exception as e:  # noqa: BLE001 - every error of the run becomes a TandemError (Ctrl-C stays itself)
             err = as_python_error(e)
             raise err from err.__cause__
 
@@ -275,9 +274,9 @@ class GRPOTrainer:
         """Where the run's trained adapter (or model) is: <output_dir>/adapter (or /model), else the newest
         checkpoint-N. A run that trained nothing yet is a JobConfigError."""
         out = Store(self.job.logging.output_dir)
-        for name in ("adapter", "model"):
-            if out.is_file(f"{name}/adapter_config.json") or out.is_file(f"{name}/config.json"):
-                return join(self.job.logging.output_dir, name)
+        name, marker = ("adapter", "adapter_config.json") if self.job.model.lora else ("model", "config.json")
+        if out.is_file(f"{name}/{marker}"):
+            return join(self.job.logging.output_dir, name)
         if found := trl_checkpoints(self.job.logging.output_dir):
             return str(found[-1][1])
         raise JobConfigError(f"GRPOConfig.output_dir = {self.job.logging.output_dir!r}: no trained weights there "
@@ -293,7 +292,7 @@ class GRPOTrainer:
         """TRL's push_to_hub: what save_model writes, uploaded with huggingface_hub's upload_folder to
         GRPOConfig.hub_model_id (default: output_dir's name). Offline or without a token: one line naming what it
         needs."""
-        return push_weights(self, commit_message, token, revision, **kwargs)
+        return push_weights(self, commit_message, token, revision, blocking=blocking)
 
     @property
     def model(self):
@@ -516,7 +515,7 @@ def save_weights(src: str, cfg: JobConfig, output_dir: str) -> None:
 
 
 def push_weights(trainer: GRPOTrainer, commit_message: str | None, token: str | None, revision: str | None,
-                 **kwargs: Any) -> Any:
+                 blocking: bool = True) -> Any:
     """push_to_hub: save_model's files in a temporary directory, uploaded by huggingface_hub."""
     import tempfile
 
@@ -534,11 +533,13 @@ def push_weights(trainer: GRPOTrainer, commit_message: str | None, token: str | 
     repo = trainer.args.hub_model_id or Path(str(trainer.job.logging.output_dir)).name
     api = HfApi(token=token)
     repo = api.create_repo(repo, private=trainer.args.hub_private_repo, exist_ok=True).repo_id
-    with tempfile.TemporaryDirectory() as d:
-        trainer.save_model(d)
-        return api.upload_folder(repo_id=repo, folder_path=d, commit_message=commit_message or "End of training",
-                                 revision=revision or trainer.args.hub_revision, run_as_future=not kwargs.get(
-                                     "blocking", True))
+    folder = tempfile.mkdtemp(prefix="tandem-push-")  # left for a background upload (blocking=False) to read
+    trainer.save_model(folder)
+    result = api.upload_folder(repo_id=repo, folder_path=folder, commit_message=commit_message or "End of training",
+                               revision=revision or trainer.args.hub_revision, run_as_future=not blocking)
+    if blocking:
+        shutil.rmtree(folder, ignore_errors=True)
+    return result
 
 
 def load_trained(trainer: GRPOTrainer):

@@ -154,3 +154,40 @@ print(json.dumps(sorted(m for m in ("torch", "transformers") if m in sys.modules
     state = TrainerState.load_from_json(str(out / "checkpoint-4" / "trainer_state.json"))
     assert (state.global_step, state.max_steps, state.epoch) == (4, 8, 0.5)
     assert [r["step"] for r in state.log_history] == [1, 2, 3, 4] and state.log_history[0]["learning_rate"] == 1e-3
+
+
+def test_callbacks_see_each_step_once_as_the_file_grows_and_after_a_restart_cuts_it(tmp_path):
+    """RunEvents reads what metrics.jsonl gained since the last cycle: a line half written waits for the next call;
+    a file a restart cut back and rewrote reports only the steps not reported yet (retrained steps once)."""
+    import json
+    from types import SimpleNamespace
+
+    from transformers import TrainerCallback, TrainerState
+
+    from tandem.services.app.callbacks import Callbacks, RunEvents
+
+    seen = []
+
+    class Recorder(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.append(("step", state.global_step))
+
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            seen.append(("eval", metrics["step"]))
+
+    cfg = SimpleNamespace(run_dir=str(tmp_path), rewards=["r.py:f"], logging=SimpleNamespace(output_dir=str(tmp_path)))
+    events = RunEvents(Callbacks([Recorder]), None, TrainerState(), cfg, None)
+    metrics = tmp_path / "metrics.jsonl"
+
+    def write(lines, mode="a", tail=""):
+        with open(metrics, mode) as f:
+            f.write("".join(json.dumps(x) + "\n" for x in lines) + tail)
+    write([{"step": 0, "eval/reward": 0.1}, {"step": 1, "loss": 1.0}], tail='{"step": 2, "lo')
+    events.after_cycle()
+    write([], tail='ss": 2.0}\n')
+    events.after_cycle()
+    write([{"step": 0, "eval/reward": 0.1}, {"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.5},
+           {"step": 3, "loss": 3.0}], mode="w")  # cut back to step 1, steps 2 and 3 trained again
+    events.after_cycle()
+    assert seen == [("eval", 0), ("step", 1), ("step", 2), ("step", 3)]
+    assert [r["step"] for r in events.state.log_history] == [0, 1, 2, 3]
