@@ -583,6 +583,93 @@ def run_trl(paths, wl, args, reward=None, tools=None, **config) -> dict:
     return out
 
 
+TRL_ASYNC_PORT = 8765
+TRL_ASYNC_STALENESS = 4  # AsyncGRPOConfig's default max_staleness: its own setting for throughput
+
+
+def start_vllm_server(model: str, wl: dict, args, max_loras: int) -> subprocess.Popen:
+    """`vllm serve` as TRL's AsyncGRPOTrainer documents it for LoRA on one node: its runtime LoRA loading and the dev
+    routes on (VLLM_ALLOW_RUNTIME_LORA_UPDATING, VLLM_SERVER_DEV_MODE), a LoRA slot per policy version requests may
+    still name (TRL refuses fewer: max_staleness + 2), its share of the one GPU (the trainer is beside it)."""
+    import urllib.request
+
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="1")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(TRL_ASYNC_PORT),
+           "--dtype", wl["model"]["dtype"], "--gpu-memory-utilization", str(args.vllm_memory or TRL_VLLM_MEMORY),
+           "--enable-lora", "--max-lora-rank", str(max(16, wl["lora"]["r"])), "--max-loras", str(max_loras),
+           "--max-model-len", str(max(2048, 2 * wl["max_tokens"]))]
+    log = open(Path(args.dir) / "vllm_server.log", "w")
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    end = time.time() + 900
+    while time.time() < end:
+        if server.poll() is not None:
+            raise RuntimeError("vllm serve exited: " + Path(log.name).read_text()[-3000:])
+        try:
+            urllib.request.urlopen(f"http://localhost:{TRL_ASYNC_PORT}/health", timeout=5)
+            return server
+        except OSError:
+            time.sleep(2)
+    server.kill()
+    raise RuntimeError("vllm serve not ready within 900 s: " + Path(log.name).read_text()[-3000:])
+
+
+def run_trl_async(paths, wl, args) -> dict:
+    """TRL's AsyncGRPOTrainer as its users run it on one node: a vLLM server generating while the trainer trains, the
+    adapter synced to it after every step, its own defaults for staleness and in-flight requests (said in the
+    result). Reward: the module-level ids_reward (its rewards run in a spawned child, so a closure cannot)."""
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(29600 + os.getpid() % 1000), "TRL_EXPERIMENTAL_SILENCE": "1"})
+    from datasets import Dataset
+    from e2e_reward import ids_reward
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    staleness = wl.get("trl_async_staleness", TRL_ASYNC_STALENESS)
+    server = start_vllm_server(paths["model"], wl, args, max_loras=staleness + 2)
+    try:
+        rows = [json.loads(x) for x in Path(paths["data"]).read_text().splitlines()]
+        stamps = []
+
+        class Clock(TrainerCallback):
+            def on_step_end(self, *a, **k):
+                stamps.append(time.time())
+                if len(stamps) == wl["warmup"]:
+                    stop[0] = gpu_sampler()
+        stop = [None]
+        n = wl["warmup"] + wl["steps"]
+        conf = AsyncGRPOConfig(
+            output_dir=str(Path(args.dir) / "trl_async"), per_device_train_batch_size=wl["per_device"],
+            gradient_accumulation_steps=wl["ga"], num_generations=wl["num_generations"],
+            max_completion_length=wl["max_tokens"], max_steps=n, learning_rate=wl["lr"], lr_scheduler_type="constant",
+            temperature=1.0, logging_steps=1, report_to="none", save_strategy="no", seed=42,
+            dtype=wl["model"]["dtype"], bf16=wl["model"]["dtype"] == "bfloat16",
+            vllm_server_base_url=f"http://localhost:{TRL_ASYNC_PORT}", max_staleness=staleness,
+            gradient_checkpointing=wl.get("gradient_checkpointing", True))
+        lora = wl["lora"]
+        peft = LoraConfig(r=lora["r"], lora_alpha=lora["lora_alpha"],
+                          target_modules=lora.get("target_modules") or "all-linear", task_type="CAUSAL_LM")
+        tr = AsyncGRPOTrainer(model=paths["model"], reward_funcs=ids_reward, args=conf,
+                              train_dataset=Dataset.from_list(rows), peft_config=peft, callbacks=[Clock()])
+        tr.train()
+        g = stop[0]() if stop[0] else {}
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    meas = stamps[wl["warmup"]:]
+    wall = meas[-1] - stamps[wl["warmup"] - 1]
+    logs = [h for h in tr.state.log_history if "loss" in h][wl["warmup"]:]
+    comp_len = statistics.mean(h.get("completions/mean_length", 0) for h in logs) if logs else None
+    C = wl["prompts"] * wl["num_generations"]
+    return {"s_per_step": wall / len(meas), "gen_s_per_step": None, "train_s_per_step": None,
+            "completions_per_s": C * len(meas) / wall, "gen_tokens_per_s": (comp_len * C * len(meas) / wall)
+            if comp_len else None, "publish_latency_s": None, "learner_mfu": None,
+            "reward_first": logs[0].get("reward") if logs else None,
+            "reward_last": logs[-1].get("reward") if logs else None,
+            "settings": f"AsyncGRPOTrainer defaults: max_staleness {staleness}, max_inflight_tasks auto; vLLM server "
+                        f"at gpu_memory_utilization {args.vllm_memory or TRL_VLLM_MEMORY}", **g}
+
+
 # --------------------------------------------------------------------------------------- table
 
 
@@ -654,7 +741,7 @@ def main():
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("candidate", choices=list(TANDEM) + list(TANDEM_NODES) + ["vllm_ceiling", "vllm_merged",
-                                                                               "trl_colocate", "trl"])
+                                                                               "trl_colocate", "trl", "trl_async"])
     r.add_argument("--workload", default="gpu", choices=list(WORKLOADS))
     r.add_argument("--dir", default="/tmp/tandem-e2e")
     r.add_argument("--json", required=True)
@@ -666,7 +753,7 @@ def main():
     r.add_argument("--set", action="extend", nargs="+", default=[], help="workload key=value ... (e.g. prompts=8)")
     t = sub.add_parser("table")
     t.add_argument("out_dir")
-    t.add_argument("--names", default="tandem_k0,tandem_k1,vllm_ceiling,vllm_merged,trl_colocate")
+    t.add_argument("--names", default="tandem_k0,tandem_k1,vllm_ceiling,vllm_merged,trl_colocate,trl_async")
     t.add_argument("--ceiling", default="vllm_ceiling")
     t.add_argument("--peer", default="trl_colocate")
     a = ap.parse_args()
@@ -682,6 +769,8 @@ def main():
         res = run_tandem(paths, wl, k, a, mode, vllm)
     elif a.candidate in TANDEM_NODES:
         res = run_tandem_nodes(paths, wl, TANDEM_NODES[a.candidate], a)
+    elif a.candidate == "trl_async":
+        res = run_trl_async(paths, wl, a)
     else:
         res = run_vllm(paths, wl, a, lora=a.candidate == "vllm_ceiling") if a.candidate.startswith("vllm_") \
             else run_trl(paths, wl, a)
