@@ -8,12 +8,11 @@ hold several optimizer steps: their hooks are called one after the other)."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
-from tandem.services.app.plot import read_metrics
+from tandem.services.orchestrator.run_log import parse_lines, read_lines
 from tandem.services.orchestrator.trl_checkpoint import Epochs, log_rows, reward_names, trl_checkpoints
 
 
@@ -63,7 +62,7 @@ class RunEvents:
         self.control = TrainerControl()
         self.metrics = Path(cfg.run_dir) / "metrics.jsonl"
         self.offset = self._size()  # what an earlier run (a resumed one) logged is history already
-        self.last_step = max((x.get("step", 0) for x in read_metrics(self.metrics)), default=0) if self.offset else 0
+        self.last_step = max((x.get("step", 0) for x in read_lines(self.metrics)), default=0)
         self.saved = {n for n, _ in trl_checkpoints(cfg.logging.output_dir)}
         self.rewards = reward_names(cfg.rewards)
 
@@ -81,16 +80,8 @@ class RunEvents:
             data = f.read()
         whole = data[:data.rfind(b"\n") + 1]  # a line being written waits for the next call
         self.offset += len(whole)
-        out = []
-        for x in whole.decode().splitlines():
-            try:
-                line = json.loads(x)
-            except ValueError:
-                continue
-            step = line.get("step", 0)
-            if step > self.last_step or (step == self.last_step == 0 and "loss" not in line):  # or the evaluation at 0
-                out.append(line)
-        return out
+        return [x for x in parse_lines(whole.decode()) if x.get("step", 0) > self.last_step
+                or (x.get("step", 0) == self.last_step == 0 and "loss" not in x)]  # or the evaluation at step 0
 
     def _fire(self, event: str, **kw: Any) -> None:
         self.control = self.callbacks.fire(event, self.args, self.state, self.control, **kw)

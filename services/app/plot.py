@@ -3,19 +3,14 @@ per step."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 
 def read_metrics(path: str | Path) -> list[dict]:
     """The lines of metrics.jsonl, less one a crash cut short (the resume that follows names and drops it)."""
-    out = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
+    from tandem.services.orchestrator.run_log import parse_lines
+
+    return parse_lines(Path(path).read_text())
 
 
 def plot_run(metrics_path: str | Path, out_png: str | Path) -> Path:

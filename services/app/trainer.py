@@ -25,7 +25,7 @@ from tandem.core.config import JobConfig, JobConfigError, with_absolute_paths
 from tandem.core.storage import Location, Store, is_uri, join
 from tandem.core.trl import trl_to_sections
 from tandem.services.app.callbacks import Callbacks, RunEvents
-from tandem.services.app.plot import read_metrics
+from tandem.services.orchestrator.run_log import read_lines
 from tandem.services.orchestrator.trl_checkpoint import (
     POINTER,
     Epochs,
@@ -255,11 +255,13 @@ class GRPOTrainer:
         if self._state is None:
             from transformers import TrainerState
 
-            lines = read_metrics(Path(self.job.run_dir) / "metrics.jsonl") if Path(
-                self.job.run_dir, "metrics.jsonl").is_file() else []
-            epochs = self._epochs()
+            lines = read_lines(Path(self.job.run_dir) / "metrics.jsonl")
+            from tandem.core.plan import BatchPlan
+
+            epochs, plan, b = self._epochs(), BatchPlan.from_config(self.job), self.job.batch
+            total = plan.total_cycles(b.max_steps, b.num_train_epochs, epochs.rows) * plan.optimizer_steps_per_cycle
             self._state = TrainerState(
-                global_step=max((x.get("step", 0) for x in lines), default=0), max_steps=self.job.batch.max_steps,
+                global_step=max((x.get("step", 0) for x in lines), default=0), max_steps=total,
                 log_history=log_history(lines, reward_names(self.job.rewards), epochs))
             self._state.epoch = epochs.at(self._state.global_step)
         return self._state
@@ -471,7 +473,7 @@ def train_output(metrics: Path, cfg: JobConfig, runtime_s: float, epochs: Epochs
     """TRL's TrainOutput of the run: the mean loss over its steps, the rates over this call's wall time."""
     from tandem.core.plan import BatchPlan
 
-    lines = read_metrics(metrics) if metrics.is_file() else []
+    lines = read_lines(metrics)
     steps = [x for x in lines if "loss" in x]
     loss = sum(x["loss"] for x in steps) / len(steps) if steps else float("nan")
     step = max((x.get("step", 0) for x in lines), default=0)
@@ -498,7 +500,7 @@ def check_resume_target(given: bool | str, cfg: JobConfig) -> None:
     if target is None or not any(path == r or path.startswith(r.rstrip("/") + "/") for r in runs):
         raise JobConfigError(f"train(resume_from_checkpoint={given!r}): not a checkpoint of this run; allowed: True, "
                              f"or {cfg.logging.output_dir}/checkpoint-N")
-    if newest is not None and Location(target).name != newest.name and newest.name.startswith("cycle-"):
+    if newest is not None and Location(target).name != newest.name:
         trl = [str(p) for _, p in trl_checkpoints(cfg.logging.output_dir)]
         raise JobConfigError(f"train(resume_from_checkpoint={given!r}): not the run's newest checkpoint "
                              f"({trl[-1] if trl else newest}); resuming from it would train over the steps after it; "

@@ -179,9 +179,8 @@ class Controller:
         self.record = TrainedRecord(rows)
         self.failures = FailureLog(self.out / "failed_prompts.jsonl", cfg.rewards, self.plan.unique_prompts, rows, say)
         self.checkpoints.fingerprint = fingerprint(cfg, rows, content)
-        p, U = self.progress, self.plan.unique_prompts
-        p.total_cycles = (-(-cfg.batch.max_steps // self.plan.optimizer_steps_per_cycle) if cfg.batch.max_steps > 0
-                          else max(int(cfg.batch.num_train_epochs * rows) // U, 1))
+        p = self.progress
+        p.total_cycles = self.plan.total_cycles(cfg.batch.max_steps, cfg.batch.num_train_epochs, rows)
         p.total_steps = p.total_cycles * self.plan.optimizer_steps_per_cycle
         if cfg.checkpoint.resume:
             self.checkpoints.refuse_if_none_readable()  # in a second, not after every actor started

@@ -41,6 +41,23 @@ def rollout_rates(before: dict, after: dict) -> dict:
     return out
 
 
+
+def parse_lines(text: str) -> list[dict]:
+    """metrics.jsonl's lines as dicts, less one a crash cut short (the resume that follows names and drops it)."""
+    out = []
+    for x in text.splitlines():
+        try:
+            out.append(json.loads(x))
+        except ValueError:
+            pass
+    return out
+
+
+def read_lines(path) -> list[dict]:
+    """parse_lines of a metrics file; none where there is no file yet."""
+    p = Path(path)
+    return parse_lines(p.read_text()) if p.is_file() else []
+
 class RunLog:
     """`trackers` (services/orchestrator/trackers.py, started with the job) get each line after metrics.jsonl."""
 
@@ -76,13 +93,7 @@ class RunLog:
 
     def lines(self) -> list[dict]:
         """The lines written, less one a crash cut short."""
-        out = []
-        for x in self.path.read_text().splitlines() if self.path.is_file() else []:
-            try:
-                out.append(json.loads(x))
-            except ValueError:
-                pass
-        return out
+        return read_lines(self.path)
 
     def has_step(self, step: int) -> bool:
         if not self.path.is_file():

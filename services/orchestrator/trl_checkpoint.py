@@ -103,9 +103,7 @@ def write_trl_checkpoint(ckpt: str, cfg, lines: list[dict], max_steps: int, epoc
     step = int(json.loads(src.read_text("tandem.json"))["steps"])
     out = Store(cfg.logging.output_dir)
     name = f"checkpoint-{step}"
-    if out.exists(name):
-        out.delete(name)  # a rolled-back run saving the same step again
-    write_model_files(ckpt, cfg, out, name)
+    write_model_files(ckpt, cfg, out, name)  # replaces the directory (a rolled-back run saving the same step again)
     out.write_bytes(f"{name}/{POINTER}", Location(ckpt).name.encode())
     state = trainer_state(lines, cfg, step, max_steps, epochs)
     # TrainerState.save_to_json's text, through the store (a URI has no local path to give it)

@@ -82,6 +82,13 @@ class BatchPlan:
     def optimizer_steps_per_cycle(self) -> int:
         return self.steps_per_generation * self.num_iterations // self.gradient_accumulation_steps
 
+    def total_cycles(self, max_steps: int, num_train_epochs: float, rows: int) -> int:
+        """Generation cycles of a run: enough for max_steps optimizer steps (when > 0), else num_train_epochs passes
+        over `rows` prompts (at least one cycle)."""
+        if max_steps > 0:
+            return -(-max_steps // self.optimizer_steps_per_cycle)
+        return max(int(num_train_epochs * rows) // self.unique_prompts, 1)
+
     def rows(self, step: int, rank: int) -> range:
         k = step % self.steps_per_generation
         start = (k * self.num_processes + rank) * self.per_device_train_batch_size

@@ -97,3 +97,13 @@ def test_cli_plan_error_names_field(tmp_path):
     p.write_text("batch: {per_device_train_batch_size: 5, num_generations: 3}\n")
     r = subprocess.run([sys.executable, "-m", "tandem.services.app.cli", "plan", str(p)], capture_output=True, text=True)
     assert r.returncode == 2 and "batch.num_generations = 3" in r.stderr
+
+
+def test_a_runs_cycles_come_from_max_steps_or_from_its_epochs():
+    """One formula for the controller and the trainer's state: ceil(max_steps / optimizer steps per cycle) when
+    max_steps > 0, else epochs × rows over the prompts a cycle takes (at least one)."""
+    plan = BatchPlan(per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=4,
+                     num_generations=4)  # 8 prompts and 2 optimizer steps a cycle
+    assert plan.total_cycles(max_steps=5, num_train_epochs=3, rows=100) == 3
+    assert plan.total_cycles(max_steps=-1, num_train_epochs=2, rows=20) == 5
+    assert plan.total_cycles(max_steps=-1, num_train_epochs=0.1, rows=20) == 1
