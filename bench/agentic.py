@@ -1,5 +1,6 @@
-"""The agentic benchmark: tool-calling GRPO, side by side on one workload. Tandem `max_staleness` 0 and 1 (`tools:`)
-and TRL's `GRPOTrainer(tools=[add])` with vLLM colocated (TRL's tool loop as its users run it), the same model, data,
+"""The agentic benchmark: tool-calling GRPO, side by side on one workload. Tandem `max_staleness` 0 and 1 (`tools:`),
+TRL's `GRPOTrainer(tools=[add])` with vLLM colocated (TRL's tool loop as its users run it) and TRL's
+`AsyncGRPOTrainer(tools=[add])` beside a vLLM server on the same GPU (`trl_async`, bench/e2e.py), the same model, data,
 tool, reward, LoRA, batch and sampling. The model has Qwen2.5-0.5B's shape and vocabulary size with Qwen2.5's chat
 template (TRL ships it: trl/chat_templates/qwen2_5.jinja, so TRL parses its tool calls), warmed up in the prepare
 step by a short supervised stage to answer "what is a + b + c (+ d) ?" by calling `add` once per turn (2-3 tool
@@ -35,7 +36,7 @@ WORKLOADS = {
                 prompts=2, num_generations=8, max_tokens=200, per_device=16, ga=1, steps=4, warmup=1, lr=1e-4,
                 max_iterations=4, sft_steps=120, sft_batch=8, sft_lr=3e-3),
 }
-CANDIDATES = ("tandem_k0", "tandem_k1", "trl_tools")
+CANDIDATES = ("tandem_k0", "tandem_k1", "trl_tools", "trl_async")
 
 
 # ------------------------------------------------------------------------------------ workload
@@ -156,8 +157,8 @@ def run(candidate: str, paths, wl, args) -> dict:
         return e2e.measure_tandem(tandem_job(paths, wl, int(candidate[-1]), args), wl, args.workload == "gpu")
     from agentic_task import add, correct_sum
 
-    return e2e.run_trl(paths, wl, args, reward=correct_sum, tools=[add],
-                       max_tool_calling_iterations=wl["max_iterations"])
+    runner = e2e.run_trl_async if candidate == "trl_async" else e2e.run_trl  # TRL's asynchronous trainer, or its own
+    return runner(paths, wl, args, reward=correct_sum, tools=[add], max_tool_calling_iterations=wl["max_iterations"])
 
 
 KEYS = ("completions_per_s", "s_per_step", "turns_per_episode", "tool_calls_per_episode", "gpu_busy_frac",
@@ -165,18 +166,21 @@ KEYS = ("completions_per_s", "s_per_step", "turns_per_episode", "tool_calls_per_
 
 
 def table(out: Path) -> str:
+    """The candidates side by side, led by the ratio to TRL's asynchronous trainer (trl_async), then to its
+    synchronous one (trl_tools)."""
     c = {n: json.loads((out / f"{n}.json").read_text()) for n in CANDIDATES if (out / f"{n}.json").is_file()}
     fmt = lambda v, p=2: "—" if v is None else f"{v:.{p}f}"  # noqa: E731
-    lines = ["| candidate | completions/s | × trl_tools | s/step | turns/episode | tool calls/episode | GPU busy | "
-             "peak GPU GiB | reward first → last |", "|" + " --- |" * 9]
+    ratio = lambda r, peer: r["completions_per_s"] / c[peer]["completions_per_s"] if peer in c else None  # noqa: E731
+    lines = ["| candidate | completions/s | × trl_async | × trl_tools | s/step | turns/episode | tool calls/episode | "
+             "GPU busy | peak GPU GiB | reward first → last |", "|" + " --- |" * 10]
     for n, r in c.items():
-        x = r["completions_per_s"] / c["trl_tools"]["completions_per_s"] if "trl_tools" in c else None
-        lines.append(f"| {n} | {fmt(r['completions_per_s'], 1)} | {fmt(x)} | {fmt(r['s_per_step'], 2)} | "
+        lines.append(f"| {n} | {fmt(r['completions_per_s'], 1)} | {fmt(ratio(r, 'trl_async'))} | "
+                     f"{fmt(ratio(r, 'trl_tools'))} | {fmt(r['s_per_step'], 2)} | "
                      f"{fmt(r.get('turns_per_episode'))} | {fmt(r.get('tool_calls_per_episode'))} | "
                      f"{fmt(r.get('gpu_busy_frac'))} | {fmt(r.get('peak_gpu_gib'), 1)} | "
                      f"{fmt(r.get('reward_first'))} → {fmt(r.get('reward_last'))} |")
     (out / "agentic.json").write_text(json.dumps({"candidates": {n: {k: r.get(k) for k in KEYS + (
-        "reward_first", "reward_last", "launch_to_first_step_s")} for n, r in c.items()}}, indent=1))
+        "reward_first", "reward_last", "launch_to_first_step_s", "settings")} for n, r in c.items()}}, indent=1))
     return "\n".join(lines)
 
 

@@ -410,6 +410,7 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
         "completions_per_s": wl["prompts"] * wl["num_generations"] * len(rows) / wall,
         "gen_tokens_per_s": med("rollout/gen_tokens_per_s"),
         "publish_latency_s": med("publish_latency_s"), "generate_wait_s": med("generate_wait_s"),
+        "cycle_s_median": med("cycle_s"), "batches_trained_ahead": top("count/batches_trained_ahead"),
         "rollout_busy_frac": med("rollout/busy_frac"), "learner_mfu": med("learner/mfu"),
         "learner_tokens_per_s": med("learner/tokens_per_s"), "launch_to_first_step_s": first_step_s,
         "cores_busy": sum(c > 50 for c in cores), "reward_first": rows[0]["reward"], "reward_last": rows[-1]["reward"],
@@ -613,10 +614,11 @@ def start_vllm_server(model: str, wl: dict, args, max_loras: int) -> subprocess.
     raise RuntimeError("vllm serve not ready within 900 s: " + Path(log.name).read_text()[-3000:])
 
 
-def run_trl_async(paths, wl, args) -> dict:
+def run_trl_async(paths, wl, args, reward=None, tools=None, **config) -> dict:
     """TRL's AsyncGRPOTrainer as its users run it on one node: a vLLM server generating while the trainer trains, the
     adapter synced to it after every step, its own defaults for staleness and in-flight requests (said in the
-    result). Reward: the module-level ids_reward (its rewards run in a spawned child, so a closure cannot)."""
+    result). Reward: module-level functions (its rewards and tools run in a spawned child, so a closure cannot):
+    ids_reward, or `reward` with `tools` and more AsyncGRPOConfig fields for the agentic benchmark."""
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(29600 + os.getpid() % 1000), "TRL_EXPERIMENTAL_SILENCE": "1"})
     from datasets import Dataset
@@ -645,12 +647,13 @@ def run_trl_async(paths, wl, args) -> dict:
             temperature=1.0, logging_steps=1, report_to="none", save_strategy="no", seed=42,
             dtype=wl["model"]["dtype"], bf16=wl["model"]["dtype"] == "bfloat16",
             vllm_server_base_url=f"http://localhost:{TRL_ASYNC_PORT}", max_staleness=staleness,
-            gradient_checkpointing=wl.get("gradient_checkpointing", True))
+            gradient_checkpointing=wl.get("gradient_checkpointing", True), **config)
         lora = wl["lora"]
         peft = LoraConfig(r=lora["r"], lora_alpha=lora["lora_alpha"],
                           target_modules=lora.get("target_modules") or "all-linear", task_type="CAUSAL_LM")
-        tr = AsyncGRPOTrainer(model=paths["model"], reward_funcs=ids_reward, args=conf,
-                              train_dataset=Dataset.from_list(rows), peft_config=peft, callbacks=[Clock()])
+        tr = AsyncGRPOTrainer(model=paths["model"], reward_funcs=reward or ids_reward, args=conf,
+                              train_dataset=Dataset.from_list(rows), peft_config=peft, callbacks=[Clock()],
+                              **({"tools": tools} if tools else {}))
         tr.train()
         g = stop[0]() if stop[0] else {}
     finally:
@@ -661,7 +664,10 @@ def run_trl_async(paths, wl, args) -> dict:
     logs = [h for h in tr.state.log_history if "loss" in h][wl["warmup"]:]
     comp_len = statistics.mean(h.get("completions/mean_length", 0) for h in logs) if logs else None
     C = wl["prompts"] * wl["num_generations"]
-    return {"s_per_step": wall / len(meas), "gen_s_per_step": None, "train_s_per_step": None,
+    calls = [h["tools/call_frequency"] for h in logs if "tools/call_frequency" in h]
+    episodes = {"tool_calls_per_episode": statistics.median(calls), "turns_per_episode": 1 + statistics.median(calls)} \
+        if calls else {}
+    return {"s_per_step": wall / len(meas), "gen_s_per_step": None, "train_s_per_step": None, **episodes,
             "completions_per_s": C * len(meas) / wall, "gen_tokens_per_s": (comp_len * C * len(meas) / wall)
             if comp_len else None, "publish_latency_s": None, "learner_mfu": None,
             "reward_first": logs[0].get("reward") if logs else None,
@@ -683,20 +689,32 @@ def versions() -> dict:
     return out
 
 
+def pipeline_efficiency(run: dict, synchronous: dict | None) -> float | None:
+    """A candidate's seconds a step over the larger of the step's generation alone and its training alone, both
+    from the same workload's `max_staleness: 0` run (Tandem's, where neither overlaps the other): 1.0 is a
+    pipeline with no bubble; a synchronous loop is near the sum over the larger."""
+    if not synchronous or not synchronous.get("generate_wait_s") or not synchronous.get("train_s_per_step"):
+        return None
+    return run["s_per_step"] / max(synchronous["generate_wait_s"], synchronous["train_s_per_step"])
+
+
 def table(out_dir: Path, names: list[str], ceiling: str | None, peer: str) -> str:
     c = {n: json.loads((out_dir / f"{n}.json").read_text()) for n in names if (out_dir / f"{n}.json").is_file()}
+    for r in c.values():
+        r["pipeline_efficiency"] = pipeline_efficiency(r, c.get("tandem_k0"))
     fmt = lambda v, p=2: "—" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
     cpu = any(r.get("pss_gb") is not None for r in c.values())  # CPU: memory as PSS, launch time, cores
     extra = " launch → first step s | peak PSS GB | cores > 50% |" if cpu else ""
-    lines = ["| candidate | s/step | gen s/step | train s/step | completions/s | × " + peer +
+    lines = ["| candidate | s/step | gen s/step | train s/step | pipeline efficiency | completions/s | × " + peer +
              " | gen tok/s | × ceiling | GPU busy | peak GPU GiB | publish s |" + extra,
-             "|" + " --- |" * (14 if cpu else 11)]
+             "|" + " --- |" * (15 if cpu else 12)]
     for n, r in c.items():
         x_peer = r["completions_per_s"] / c[peer]["completions_per_s"] if peer in c else None
         x_ceil = (r["gen_tokens_per_s"] / c[ceiling]["gen_tokens_per_s"]
                   if ceiling in c and r.get("gen_tokens_per_s") and n != ceiling else None)
         row = (f"| {n} | {fmt(r['s_per_step'], 3)} | {fmt(r.get('gen_s_per_step'))} | "
-               f"{fmt(r.get('train_s_per_step'))} | {fmt(r['completions_per_s'], 1)} | {fmt(x_peer)} | "
+               f"{fmt(r.get('train_s_per_step'))} | {fmt(r.get('pipeline_efficiency'))} | "
+               f"{fmt(r['completions_per_s'], 1)} | {fmt(x_peer)} | "
                f"{fmt(r.get('gen_tokens_per_s'), 0)} | {fmt(x_ceil)} | {fmt(r.get('gpu_busy_frac'))} | "
                f"{fmt(r.get('peak_gpu_gib'), 1)} | {fmt(r.get('publish_latency_s'), 3)} |")
         if cpu:

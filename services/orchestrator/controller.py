@@ -49,6 +49,7 @@ from tandem.services.orchestrator.epoch_record import EpochRecord, TrainedRecord
 from tandem.services.orchestrator.evaluator import Evaluator
 from tandem.services.orchestrator.failures import FailureLog
 from tandem.services.orchestrator.group_buffer import GroupBuffer
+from tandem.services.orchestrator.pipeline import prompts_wanted, trained_ahead_allowed
 from tandem.services.orchestrator.prompt_source import PromptSource
 from tandem.services.orchestrator.rollout_pool import RolloutPool, lost_object
 from tandem.services.orchestrator.run_log import EXPORTED, RunLog, rollout_rates, series_name  # noqa: F401 - deploy/ reads EXPORTED
@@ -90,16 +91,26 @@ class CycleInterrupted(Exception):
 
 
 @dataclass
+class Training:
+    """A batch handed to the learner: its groups (meta, ref), dynamic sampling's counts, the ranks' result refs."""
+
+    batch: list
+    sampled: dict
+    refs: list
+
+
+@dataclass
 class Progress:
     """Where the run is: generation cycles done and the policy version served (saved), its length (from the
-    job and the data) and the last publish's latency."""
+    job and the data), the last publish's latency, and the batch training ahead of the cycle count, if any."""
 
-    TRANSIENT: ClassVar = ("total_cycles", "total_steps", "publish_latency_s")
+    TRANSIENT: ClassVar = ("total_cycles", "total_steps", "publish_latency_s", "training")
     cycle: int = 0
     version: int = 0
     total_cycles: int = 0
     total_steps: int = 0
     publish_latency_s: float = 0.0  # from the adapter's export to every worker serving it
+    training: Training | None = None  # the next cycle's batch, training ahead of it (never saved: a save drains it)
 
     def state(self) -> dict:
         return {"cycle": self.cycle, "version": self.version}
@@ -275,25 +286,40 @@ class Controller:
 
     @one_at_a_time
     def step(self) -> dict:
-        """One generation cycle: collect unique_prompts fresh groups, train on them, publish the adapter,
-        record the metrics (and evaluate, and save, when due)."""
+        """One generation cycle: collect unique_prompts fresh groups (or take the batch already training), train on
+        them, publish the adapter, record the metrics (and evaluate, and save, when due). With max_staleness >= 1
+        the next batch starts training as soon as this one is trained (services/orchestrator/pipeline.py)."""
+        return self._cycle(ahead=True)
+
+    def _cycle(self, ahead: bool) -> dict:
         self._evaluate_on_start()
         stage, before = Stages(), self._rollout_stats()
-        with stage("collect"):
-            batch, sampled = self._collect()
+        training, self.progress.training = self.progress.training, None
+        if training is None:
+            with stage("collect"):
+                training = self._start_training(*self._collect())
         with stage("train"):
-            result, batch = self._train(batch)
+            result, training = self._finish_training(training)
+        batch = training.batch
+        self.progress.cycle += 1
         with stage("publish"):
             sent = self._send()
+            saving = self.checkpoints.due([s["step"] for s in result["steps"]])
+            if ahead and trained_ahead_allowed(self.cfg.cluster.max_staleness, self._batches_left(), saving,
+                                               self._interrupted.is_set()):
+                self.progress.training = self._train_ahead()
             self._feed_ahead()
             self._await_published(sent)
-        self.progress.cycle += 1
-        steps = self._metrics(result["steps"], batch, before, stage, sampled)
+        steps = self._metrics(result["steps"], batch, before, stage, training.sampled)
         with stage("record"):
-            self._record(steps)
+            saved = self._record(steps)
             self._push()
         self._autoscale(stage.seconds)
-        return {"version": self.version, "steps": steps, "done": self._done(), "notices": notices()}
+        return {"version": self.version, "steps": steps, "done": self._done(), "notices": notices(), "saved": saved}
+
+    def _batches_left(self) -> int:
+        """The run's batches not yet trained (one in training included)."""
+        return self.total_cycles - self.cycle
 
     def _done(self) -> bool:
         return self.cycle >= self.total_cycles
@@ -322,21 +348,38 @@ class Controller:
                 filled = self.buffer.fill(U, self.version)
                 self.counters["groups_filled"] += filled
                 continue
-            self._gather(U, timeout=1.0)
+            self._gather(max(U, self._wanted(training=False)), timeout=1.0)
         sampled = {"dynamic_sampling/prompts_sampled": self.buffer.sampled, "dynamic_sampling/filled": filled}
         return self.buffer.take(U), sampled
 
-    def _train(self, batch: list) -> tuple[dict, list]:
-        """The learner trains on the batch; with max_staleness >= 1 the workers keep sampling meanwhile. Groups whose
+    def _start_training(self, batch: list, sampled: dict) -> Training:
+        return Training(batch, sampled, self.learner.train_async([g for _, g in batch]))
+
+    def _train_ahead(self) -> Training | None:
+        """The next batch, when its groups are buffered fresh for the version just exported, starts training now.
+        -> its Training, or None (the next cycle collects it)."""
+        self._requeue_stale()
+        if len(self.buffer) < self.plan.unique_prompts:
+            return None
+        sampled = {"dynamic_sampling/prompts_sampled": self.buffer.sampled, "dynamic_sampling/filled": 0}
+        self.counters["batches_trained_ahead"] += 1
+        return self._start_training(self.buffer.take(self.plan.unique_prompts), sampled)
+
+    def _finish_training(self, training: Training) -> tuple[dict, Training]:
+        """The learner's result of a batch; with max_staleness >= 1 the workers keep sampling meanwhile. Groups whose
         objects were lost with a node (the learner could not fetch them: nothing trained) are handed out again and
-        the batch filled anew. -> (the learner's result, the batch it trained on)."""
+        the batch filled anew. -> (the learner's result, the training of the batch it trained on)."""
         while True:
             try:
-                return self._train_once(batch), batch
+                result = self._wait_trained(training.refs)
             except self.pool.ray.exceptions.RayError as e:
                 if not lost_object(e):
                     raise
-                batch = self._without_lost(batch)
+                training = self._start_training(self._without_lost(training.batch), training.sampled)
+                continue
+            for m, _ in training.batch:
+                self.record.add(m["epoch"], m["index"], m["version"])
+            return result, training
 
     def _without_lost(self, batch: list) -> list:
         """The batch less its groups whose objects are gone (their prompts to the front of the queue), the rest back
@@ -358,20 +401,20 @@ class Controller:
         self.buffer.groups[:0] = kept
         return self._collect()[0]
 
-    def _train_once(self, batch: list) -> dict:
-        ray, k = self.pool.ray, self.cfg.cluster.max_staleness
-        refs = self.learner.train_async([g for _, g in batch])
+    def _wait_trained(self, refs: list) -> dict:
+        ray, busy_ok = self.pool.ray, self.cfg.cluster.max_staleness > 0
         while True:
-            if k > 0:
-                self._gather(self.plan.unique_prompts * k, timeout=0.05)
-            busy = k > 0 and self.pool.in_flight()
+            if busy_ok:
+                self._gather(self._wanted(training=True), timeout=0.05)
+            busy = busy_ok and self.pool.in_flight()
             done, waiting = ray.wait(refs, num_returns=len(refs), timeout=0.0 if busy else 0.5)
             ray.get(done)  # a dead rank raises now, not after the others time out at a collective
             if not waiting:
-                break
-        for m, _ in batch:
-            self.record.add(m["epoch"], m["index"], m["version"])
-        return ray.get(refs)[0]
+                return ray.get(refs)[0]
+
+    def _wanted(self, training: bool) -> int:
+        return prompts_wanted(self.plan.unique_prompts, self.cfg.cluster.max_staleness, training,
+                              self._batches_left())
 
     def _gather(self, want: int, timeout: float) -> None:
         """Keep `want` prompts buffered or in flight, take what came back within `timeout`."""
@@ -420,12 +463,11 @@ class Controller:
         return self.pool.send(self.version, adapter_ref), time.time()
 
     def _feed_ahead(self) -> None:
-        """max_staleness k >= 1: the cycle k + 1 ahead goes out now, for the version just sent: each worker starts
-        it the moment it serves it, instead of idling for a round trip to here (one serving one version drains
-        first). Not past the last cycle."""
-        k = self.cfg.cluster.max_staleness
-        if k > 0 and self.cycle + k + 1 < self.total_cycles:
-            self._gather(self.plan.unique_prompts * (k + 1), timeout=0.0)
+        """max_staleness k >= 1: the prompts the staleness bound allows for the version just sent go out now (those of
+        the batches after the one in training, if any): each worker starts them the moment it serves that version,
+        instead of idling for a round trip to here."""
+        if self.cfg.cluster.max_staleness > 0:
+            self._gather(self._wanted(training=self.progress.training is not None), timeout=0.0)
 
     def _await_published(self, sent: tuple) -> None:
         """Every worker serves the version sent; prompts a worker that died on it held are handed out again."""
@@ -455,13 +497,12 @@ class Controller:
         }
         return [dict(s, **extra) for s in steps]
 
-    def _record(self, steps: list[dict]) -> None:
-        """The eval when due (on the last step's line), the metrics lines, the checkpoint when due."""
+    def _record(self, steps: list[dict]) -> str | None:
+        """The eval when due (on the last step's line), the metrics lines, the checkpoint when due (-> its path)."""
         if self.evaluator and self.evaluator.due(steps[0]["step"], steps[-1]["step"], self._done()):
             steps[-1].update(self.evaluator.run(self.pool.ray, self.pool.serving(), self.version, steps[-1]["step"]))
         self.log.write(steps)
-        if self.checkpoints.due([s["step"] for s in steps]):
-            self._save()
+        return self._save() if self.checkpoints.due([s["step"] for s in steps]) else None
 
     # ------------------------------------------------------------------------------- control
 
@@ -489,13 +530,22 @@ class Controller:
     def state(self) -> dict:
         """The parts' states. Prompts in flight or buffered were not trained on: on resume they are handed out
         again (the source's state holds them)."""
-        pending = [(it.index, it.epoch) for it in self.pool.pending_items()] + self.buffer.pending()
+        ahead = self.progress.training.batch if self.progress.training else []  # (a save drains it first)
+        pending = [(it.index, it.epoch) for it in self.pool.pending_items()] + self.buffer.pending() + \
+            [(m["index"], m["epoch"]) for m, _ in ahead]
         return {"fingerprint": self.checkpoints.fingerprint, "source": self.source.state(pending),
                 "progress": self.progress.state(), "record": self.record.state(), "buffer": self.buffer.state(),
                 "failures": self.failures.state(), "counters": dict(self.counters)}
 
     @one_at_a_time
     def save_checkpoint(self) -> str:
+        """A checkpoint of the run as it stands. A batch training ahead is finished as its cycle first (trained,
+        published, recorded: the driver's stop takes effect after it), so that the weights saved are those the
+        state says were trained."""
+        if self.progress.training is not None:
+            saved = self._cycle(ahead=False)["saved"]
+            if saved:
+                return saved
         return self._save()
 
     def _save(self) -> str:

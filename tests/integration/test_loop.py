@@ -51,18 +51,29 @@ def check_accounting(ctl, n_rows):
 def test_colocated_learner_and_engine_share_one_process_and_lose_nothing(ray_session, tmp_path, tiny_model):
     """vllm_mode colocate: rollout worker 0 is the learner's actor; with max_staleness 1 its engine samples
     while the learner trains in the same process, and the accounting holds as in server mode."""
-    k, cycles = 1, 3
+    k, cycles = 1, 4
     cfg = loop_job(tmp_path, tiny_model, k, batch={"max_steps": cycles}, cluster={"vllm_mode": "colocate"})
     ctl = started(Controller(cfg))
     U = ctl.plan.unique_prompts
     assert ctl.workers[0]._actor_id == ctl.learner.actors[0]._actor_id  # one actor, one process
+    learner_steps = lambda: ray_session.get(ctl.workers[0].__ray_call__.remote(lambda s: s._learner.learner.steps))
+    drained = None
     for c in range(cycles):
+        if c == ctl.cycle - 1:  # the cycle a save finished already
+            continue
         r = ctl.step()
         assert r["version"] == c + 1
         assert all(math.isfinite(s["loss"]) and s["version_lag_max"] <= k for s in r["steps"])
         # sampled with the weights it trains from (one process: the engine's merged adapter, the learner's)
         assert all(s["tis/sampler_abs_diff_mean"] <= SAME_WEIGHTS for s in r["steps"] if s["version_lag_max"] == 0)
-    assert r["done"] and len(ctl.seen) == cycles * U
+        if drained is None and ctl.progress.training is not None:
+            # the next batch trains ahead of its cycle; a save finishes that cycle first: the weights saved are
+            # those its state records as trained
+            drained = ctl.save_checkpoint()
+            assert drained.endswith(f"cycle-{c + 2:06d}") and ctl.cycle == c + 2 == learner_steps()
+            assert len(ctl.trained) == (c + 2) * U and ctl.progress.training is None
+    assert drained, "no batch trained ahead: the learner waited for every cycle's bookkeeping"
+    assert r["done"] and len(ctl.seen) == cycles * U == len(ctl.trained)
     by_cycle = [list(ctl.seen)[i * U:(i + 1) * U] for i in range(cycles)]
     assert all(c - k <= v <= c for c, groups in enumerate(by_cycle) for _, _, v in groups)
     inside = ray_session.get(ctl.workers[0].__ray_call__.remote(
