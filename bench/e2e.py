@@ -411,6 +411,7 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
         "gen_tokens_per_s": med("rollout/gen_tokens_per_s"),
         "publish_latency_s": med("publish_latency_s"), "generate_wait_s": med("generate_wait_s"),
         "cycle_s_median": med("cycle_s"), "batches_trained_ahead": top("count/batches_trained_ahead"),
+        "stale_dropped": top("count/stale_dropped"),  # groups sampled and dropped past max_staleness
         "rollout_busy_frac": med("rollout/busy_frac"), "learner_mfu": med("learner/mfu"),
         "learner_tokens_per_s": med("learner/tokens_per_s"), "launch_to_first_step_s": first_step_s,
         "cores_busy": sum(c > 50 for c in cores), "reward_first": rows[0]["reward"], "reward_last": rows[-1]["reward"],
@@ -698,23 +699,40 @@ def pipeline_efficiency(run: dict, synchronous: dict | None) -> float | None:
     return run["s_per_step"] / max(synchronous["generate_wait_s"], synchronous["train_s_per_step"])
 
 
+def sharing_speeds(run: dict, synchronous: dict | None) -> dict:
+    """What sharing the device costs each side, against the `max_staleness: 0` run (where each runs alone): the
+    engine's generated tokens a second while it has requests, and the learner's forwards' speed, each as a share of
+    its speed alone (1.0: no slowdown). Their sum is what the pair gets out of the device: 2.0 would be two devices."""
+    if not synchronous or run is synchronous:
+        return {}
+    ratio = lambda a, b: a / b if a and b else None  # noqa: E731
+    return {"engine_x_alone": ratio(run.get("gen_tokens_per_s"), synchronous.get("gen_tokens_per_s")),
+            "learner_x_alone": ratio(synchronous.get("learner_forwards_s"), run.get("learner_forwards_s"))}
+
+
+ASYNC_PEER = "trl_async"  # the asynchronous baseline: its column leads the table's ratios
+
+
 def table(out_dir: Path, names: list[str], ceiling: str | None, peer: str) -> str:
     c = {n: json.loads((out_dir / f"{n}.json").read_text()) for n in names if (out_dir / f"{n}.json").is_file()}
     for r in c.values():
         r["pipeline_efficiency"] = pipeline_efficiency(r, c.get("tandem_k0"))
+        r.update(sharing_speeds(r, c.get("tandem_k0")))
     fmt = lambda v, p=2: "—" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
     cpu = any(r.get("pss_gb") is not None for r in c.values())  # CPU: memory as PSS, launch time, cores
     extra = " launch → first step s | peak PSS GB | cores > 50% |" if cpu else ""
-    lines = ["| candidate | s/step | gen s/step | train s/step | pipeline efficiency | completions/s | × " + peer +
-             " | gen tok/s | × ceiling | GPU busy | peak GPU GiB | publish s |" + extra,
-             "|" + " --- |" * (15 if cpu else 12)]
+    lines = ["| candidate | s/step | gen s/step | train s/step | pipeline efficiency | engine × alone | learner × alone "
+             "| completions/s | × " + ASYNC_PEER + " | × " + peer + " | gen tok/s | × ceiling | GPU busy | peak GPU GiB "
+             "| publish s |" + extra, "|" + " --- |" * (18 if cpu else 15)]
     for n, r in c.items():
         x_peer = r["completions_per_s"] / c[peer]["completions_per_s"] if peer in c else None
+        x_async = r["completions_per_s"] / c[ASYNC_PEER]["completions_per_s"] if ASYNC_PEER in c else None
         x_ceil = (r["gen_tokens_per_s"] / c[ceiling]["gen_tokens_per_s"]
                   if ceiling in c and r.get("gen_tokens_per_s") and n != ceiling else None)
         row = (f"| {n} | {fmt(r['s_per_step'], 3)} | {fmt(r.get('gen_s_per_step'))} | "
                f"{fmt(r.get('train_s_per_step'))} | {fmt(r.get('pipeline_efficiency'))} | "
-               f"{fmt(r['completions_per_s'], 1)} | {fmt(x_peer)} | "
+               f"{fmt(r.get('engine_x_alone'))} | {fmt(r.get('learner_x_alone'))} | "
+               f"{fmt(r['completions_per_s'], 1)} | {fmt(x_async)} | {fmt(x_peer)} | "
                f"{fmt(r.get('gen_tokens_per_s'), 0)} | {fmt(x_ceil)} | {fmt(r.get('gpu_busy_frac'))} | "
                f"{fmt(r.get('peak_gpu_gib'), 1)} | {fmt(r.get('publish_latency_s'), 3)} |")
         if cpu:

@@ -1,9 +1,9 @@
 """End-to-end GRPO on one GPU (the GPU rollout benchmark): Tandem max_staleness 0 and 1, the
-vLLM ceiling, TRL's GRPOTrainer in colocate mode; the same model (Qwen2.5-0.5B's shape, vocabulary
-151,936), data, reward, LoRA r=16, 32 prompts x 8 completions x up to 256 tokens per step, 20 steps after
+vLLM ceiling, TRL's GRPOTrainer in colocate mode and TRL's AsyncGRPOTrainer beside a vLLM server (trl_async);
+the same model (Qwen2.5-0.5B's shape, vocabulary 151,936), data, reward, LoRA r=16, 32 prompts x 8 completions x up to 256 tokens per step, 20 steps after
 2 warm-up steps. Each candidate runs in a process of its own (bench/e2e.py), one after the other.
 
-  python3 bench/e2e_gpu.py [--candidates tandem_k0,tandem_k1,vllm_ceiling,trl_colocate] [--out DIR]
+  python3 bench/e2e_gpu.py [--candidates tandem_k0,tandem_k1,vllm_ceiling,trl_colocate,trl_async] [--out DIR]
       [--rollout-gpus 0.4 --learner-gpus 0.4 --vllm-memory S]   # placement (two GPUs: 1 / 1 / 0.85)
   python3 bench/e2e_gpu.py --table-only --out DIR   # the table of what DIR holds
 
@@ -36,7 +36,7 @@ def quiet_machine(timeout: float = 60.0):
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--candidates", default="tandem_k0,tandem_k1,vllm_ceiling,trl_colocate")
+    ap.add_argument("--candidates", default="tandem_k0,tandem_k1,vllm_ceiling,trl_colocate,trl_async")
     ap.add_argument("--out", default="bench/results/e2e_gpu")
     ap.add_argument("--workload", default="gpu")
     ap.add_argument("--table-only", action="store_true")

@@ -452,6 +452,7 @@ class Controller:
     def _requeue_stale(self) -> None:
         for m in self.buffer.drop_stale(self.version):
             self.counters["stale_dropped"] += 1
+            self.failures.stale(m["index"], m["epoch"], self.version - m["version"], self.cfg.cluster.max_staleness)
             self.source.requeue(m["index"], m["epoch"])
 
     # Publishing waits for no generation: each worker loads the adapter between two engine steps while its requests

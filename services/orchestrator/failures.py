@@ -15,7 +15,8 @@ from tandem.core.errors import RewardError, TrainingError
 
 
 class FailureLog:
-    TRANSIENT = ("no_reward_run", "say", "_said", "_unsaid")  # within one process: a run of groups, the terminal's lines
+    # within one process: a run of groups, the terminal's lines, the stale drops of each row
+    TRANSIENT = ("no_reward_run", "say", "_said", "_unsaid", "_stale")
 
     SAY_EVERY_S, SAY_BURST = 10.0, 3  # at most 3 lines on the terminal per 10 s; the file has every one
 
@@ -25,6 +26,7 @@ class FailureLog:
         self.failed: list[dict] = []  # {index, epoch, reason, message}
         self.no_reward_run = 0  # groups without reward in a row (a rewarded one resets it)
         self.say, self._said, self._unsaid = say, [], 0  # times of the lines said lately; failures not said
+        self._stale: dict[tuple[int, int], int] = {}  # (index, epoch) -> groups of it dropped past max_staleness
 
     def rewarded(self) -> None:
         self.no_reward_run = 0
@@ -45,6 +47,17 @@ class FailureLog:
     def worker_died(self, index: int, epoch: int, message: str) -> None:
         """A prompt whose rollout worker died twice while running it (the second time alone): as reward_error."""
         self._permanent(index, epoch, "worker_died", message)
+
+    def stale(self, index: int, epoch: int, lag: int, max_staleness: int) -> None:
+        """A group dropped past the staleness bound (its prompt is sampled again: not a failure). The second time for
+        one row it is said once: its completions likely take longer to sample than the bound leaves them, and such
+        a row, sampled again and again, may never be trained on (the long tail of lengths at a small bound)."""
+        n = self._stale[(index, epoch)] = self._stale.get((index, epoch), 0) + 1
+        if n == 2:
+            self._tell(f"tandem: dataset row {index} (epoch {epoch}) came back {lag} policy versions behind, a second "
+                       f"time (cluster.max_staleness = {max_staleness}): its group takes longer to sample than "
+                       f"{max_staleness + 1} cycles, and is sampled again each time (count/stale_dropped); allowed: "
+                       "a larger cluster.max_staleness, or a smaller generation.max_completion_length")
 
     def _permanent(self, index: int, epoch: int, reason: str, message: str) -> None:
         self._record(index, epoch, reason, message)

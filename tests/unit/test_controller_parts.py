@@ -316,3 +316,23 @@ def test_failed_prompts_are_said_on_the_terminal_a_few_at_a_time(tmp_path, monke
     assert len(said) == 3 and "row 1 " in said[1]
     assert "row 5 " in said[2] and "(and 3 more before it, in " in said[2]
     assert len((tmp_path / "f.jsonl").read_text().splitlines()) == 6
+
+
+def test_a_row_dropped_stale_twice_is_said_once_and_not_recorded_as_failed(tmp_path):
+    """A stale group's prompt is sampled again (not a failure); the second drop of one row says why it may never train
+    (its group takes longer than max_staleness + 1 cycles) and what to change, once."""
+    from tandem.services.orchestrator.failures import FailureLog
+
+    said = []
+    log = FailureLog(tmp_path / "f.jsonl", ["r.py:f"], unique_prompts=4, rows=100, say=said.append)
+    log.stale(7, 0, lag=2, max_staleness=1)
+    log.stale(3, 0, lag=2, max_staleness=1)
+    assert said == []
+    log.stale(7, 0, lag=3, max_staleness=1)
+    log.stale(7, 0, lag=2, max_staleness=1)
+    log.stale(7, 1, lag=2, max_staleness=1)  # the next epoch's row counts afresh
+    assert said == ["tandem: dataset row 7 (epoch 0) came back 3 policy versions behind, a second time "
+                    "(cluster.max_staleness = 1): its group takes longer to sample than 2 cycles, and is sampled again "
+                    "each time (count/stale_dropped); allowed: a larger cluster.max_staleness, or a smaller "
+                    "generation.max_completion_length"]
+    assert not (tmp_path / "f.jsonl").exists() and log.state() == {"failed": []}
