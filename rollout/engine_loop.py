@@ -10,6 +10,13 @@ Commands:
   LoadVersion(v, ...)    serve policy version v from now on (an adapter or full weights)
   STOP                   end the loop
 
+A request can no longer become a trainable group once the newest version published (loaded, or waiting to load)
+is more than max_staleness ahead of the one it samples with: an engine that can stop a request mid-sampling
+(`Engine.can_abort`) stops it at the next turn and fails it with StaleRequest, so that its sequences stop taking
+the engine's steps (a long completion at a small max_staleness would otherwise run to its end only to be dropped).
+Only a training group's request is stopped (`Request.stoppable`); an evaluation's runs to its end, and so does one
+an episode holds its version for, or a later turn pinned to one: the episode is one unit.
+
 Queues, and the order they are taken in each turn (the rule lives in `_turn`):
   held     an engine that serves one version at a time (weights merged) does not load a new version while
            requests run or an episode holds a version: that command and every command after it wait here, and
@@ -44,16 +51,28 @@ ARRIVAL_WINDOW_S = 0.05
 ARRIVAL_GAP_S = 0.005
 
 
+class StaleRequest(Exception):
+    """A request stopped mid-sampling: its version fell more than max_staleness behind the newest published."""
+
+    def __init__(self, version: int, newest: int, max_staleness: int):
+        super().__init__(f"sampled with policy version {version}, {newest - version} behind the newest published "
+                         f"({newest}; max_staleness {max_staleness}): stopped, to be sampled again")
+        self.version = version
+
+
 class Request:
     """A prompt between its arrival and its completions: the calling thread waits on `done`."""
 
     __slots__ = ("ids", "sampling", "min_version", "pin", "version", "result", "error", "done", "submitted",
-                 "started", "hold", "_callbacks")
+                 "started", "hold", "stoppable", "_callbacks")
 
-    def __init__(self, ids: np.ndarray, sampling: Sampling, min_version: int = 0, pin: int | None = None):
+    def __init__(self, ids: np.ndarray, sampling: Sampling, min_version: int = 0, pin: int | None = None,
+                 stoppable: bool = False):
         """min_version: sampled with this version or a newer one; pin: with exactly this one (an episode's later
-        turns, on the version its first turn held)."""
+        turns, on the version its first turn held); stoppable: a training group's, which the loop stops once it can
+        no longer be trained (an evaluation's runs to its end)."""
         self.ids, self.sampling, self.min_version, self.pin = ids, sampling, min_version, pin
+        self.stoppable = stoppable
         self.version, self.result, self.error = 0, None, None  # version: the one it was sampled with
         self.done = threading.Event()
         self.submitted = 0.0
@@ -106,8 +125,10 @@ class EngineLoop:
     """`submit(command)` from any thread; `run(engine)` in the thread that built the engine (vLLM keeps a CUDA
     stream per thread) until STOP or `stop()`. version: the newest version served (0: the base model)."""
 
-    def __init__(self, lora: bool):
+    def __init__(self, lora: bool, max_staleness: int | None = None):
+        """max_staleness: stop requests that can no longer be trained (None: every request runs to its end)."""
         self.lora = lora  # versions are adapters (else full weights)
+        self.max_staleness = max_staleness
         self.version = 0
         self.engine: Engine | None = None
         self._inbox: queue.Queue = queue.Queue()
@@ -166,7 +187,20 @@ class EngineLoop:
                 self._add(cmd)
             else:
                 batch.append(cmd)
+        self._stop_stale()
         self._step(batch)
+
+    def _stop_stale(self) -> None:
+        """Requests that can no longer be trained (the module's docstring) stopped and failed with StaleRequest."""
+        if self.max_staleness is None or not self.engine.can_abort or not self._running:
+            return
+        newest = max([self.version] + [c.version for c in self._held if isinstance(c, LoadVersion)])
+        for key, req in list(self._running.items()):
+            if req.stoppable and newest - req.version > self.max_staleness and req.hold == 0 and req.pin is None:
+                self.engine.abort(key)
+                del self._running[key]
+                self._in_use[req.version] -= 1
+                req.fail(StaleRequest(req.version, newest, self.max_staleness))
 
     def _drain_inbox(self) -> list:
         out = []

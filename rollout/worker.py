@@ -32,7 +32,7 @@ from tandem.core.protocol import (
     pack_completions,
 )
 from tandem.core.shaping import is_informative, overlong_penalty
-from tandem.rollout.engine_loop import EngineLoop, LoadVersion, Request, Sample
+from tandem.rollout.engine_loop import EngineLoop, LoadVersion, Request, Sample, StaleRequest
 from tandem.rollout.engines.base import Completion, Sampling
 from tandem.rollout.episodes import (
     EnvironmentResetError,
@@ -87,13 +87,13 @@ class RolloutWorker:
     def __init__(self, cfg, worker_id: int = 0):
         self.cfg, self.worker_id = cfg, worker_id
         self.sampling = Sampling.from_config(cfg)
-        self.loop = EngineLoop(lora=cfg.model.lora is not None)
+        self.loop = EngineLoop(lora=cfg.model.lora is not None, max_staleness=cfg.cluster.max_staleness)
         self.episodes = None  # the episode runner of a job with tools or an environment (setup)
         self.environments = None
         self._ready = threading.Event()
         self._setup_error: BaseException | None = None
         self._lock = threading.Lock()  # stats
-        self._stats = Counter(groups=0, failures=0, tokens=0, requests=0)
+        self._stats = Counter(groups=0, failures=0, tokens=0, requests=0, stopped_stale=0)
         self._times = {"score_s": 0.0, "engine_start_s": 0.0}
         self._started_at = time.time()
 
@@ -183,21 +183,30 @@ class RolloutWorker:
             raise cmd.error
         return self.version
 
-    def _sample(self, items: list[PromptItem], sampling: Sampling) -> list[Sampled | RolloutFailure]:
+    def _sample(self, items: list[PromptItem], sampling: Sampling, training: bool = False
+                ) -> list[Sampled | RolloutFailure]:
         """Each item's completions, sampled in one request of n completions; with tools or an environment, the n
-        episodes of each item, all of them at once on the worker's event loop (rollout/episodes.py)."""
+        episodes of each item, all of them at once on the worker's event loop (rollout/episodes.py). training: the
+        requests are training groups', stopped once they can no longer be trained (a RolloutFailure with its
+        stale_version: rollout/engine_loop.py)."""
         if self.episodes is not None:
             return self.episodes_loop.run(run_groups(self, items, sampling))
         per_prompt = self.cfg.generation.seed_per_prompt
         reqs = [Request(it.prompt_ids, seeded(sampling, self.cfg.seed, it.group_id) if per_prompt else sampling,
-                        it.min_version) for it in items]
+                        it.min_version, stoppable=training) for it in items]
         for r in reqs:
             self.loop.submit(Sample(r))
-        for r in reqs:
+        out = []
+        for it, r in zip(items, reqs):
             r.done.wait()
-            if r.error is not None:
+            if isinstance(r.error, StaleRequest):
+                out.append(RolloutFailure(it.group_id, it.index, f"dataset row {it.index}: {r.error}", self.worker_id,
+                                          stale_version=r.error.version))
+            elif r.error is not None:
                 raise r.error
-        return [Sampled(r.result, r.version, r.submitted) for r in reqs]
+            else:
+                out.append(Sampled(r.result, r.version, r.submitted))
+        return out
 
     def episode_prompts(self, it: PromptItem, observations: list[str | None]) -> list[np.ndarray]:
         """The item's prompt ids, or each episode's: the prompt with its environment's reset text after the last
@@ -222,7 +231,7 @@ class RolloutWorker:
         so the controller routes the group's ref as it arrives without fetching the payload."""
         self._await_ready()
         t0 = time.time()
-        g = self._group(item, self._sample([item], self.sampling)[0], t0)
+        g = self._group(item, self._sample([item], self.sampling, training=True)[0], t0)
         return group_meta(g, self._informative(g)), g
 
     def _informative(self, g) -> bool:
@@ -236,7 +245,7 @@ class RolloutWorker:
     def _group(self, it: PromptItem, req: Sampled | RolloutFailure, t0: float) -> RolloutGroup | RolloutFailure:
         if isinstance(req, RolloutFailure):
             with self._lock:
-                self._stats["failures"] += 1
+                self._stats["stopped_stale" if req.stale_version is not None else "failures"] += 1
             return req
         comps, eps = req.result, req.episodes
         t1 = time.time()

@@ -47,6 +47,7 @@ class Engine:
 
     serves_one_version = False
     streams = False
+    can_abort = False  # a streaming engine that can stop a request mid-sampling (`abort`)
 
     def generate(self, prompts: list[np.ndarray], sampling: Sampling, adapter: int | None = None
                  ) -> list[list[Completion]]:
@@ -59,6 +60,10 @@ class Engine:
     def step(self) -> list[tuple[int, list[Completion]]]:
         """A streaming engine: one step of every running request -> (key, completions) of those that finished."""
         raise NotImplementedError
+
+    def abort(self, key: int) -> None:
+        """Stop request `key` (added, not finished): it frees its sequences and is never returned by `step`."""
+        raise NotImplementedError(f"{type(self).__name__}.abort: this engine cannot stop a request")
 
     def load_adapter(self, version: int, tensors: dict) -> None:
         raise NotImplementedError

@@ -150,6 +150,7 @@ class AdapterMerge:
 
 class VLLMEngine(Engine):
     streams = True  # the engine loop adds requests between engine steps
+    can_abort = True
 
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len: int = 1024, lora=None,
                  max_loras: int = 2, seed: int = 0, kv_cache_bytes: int = 256 << 20, adapter_dir: str | None = None,
@@ -235,6 +236,9 @@ class VLLMEngine(Engine):
     def add(self, key: int, prompt, sampling: Sampling, adapter=None) -> None:
         self.llm.llm_engine.add_request(str(key), {"prompt_token_ids": [int(t) for t in prompt]},
                                         self._params(sampling), lora_request=self._lora(adapter))
+
+    def abort(self, key: int) -> None:
+        self.llm.llm_engine.abort_request([str(key)])
 
     def step(self) -> list[tuple[int, list[Completion]]]:
         """One engine step. -> (key, completions) of every request (all its n samples) that finished."""

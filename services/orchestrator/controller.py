@@ -427,7 +427,10 @@ class Controller:
             self._accept(it, meta, ref)
 
     def _accept(self, it, meta: dict, ref) -> None:
-        if not meta.get("failure"):
+        if meta.get("stale_version") is not None:  # stopped mid-sampling: it could no longer be trained
+            self.counters["stale_stopped"] += 1
+            self._stale(it.index, it.epoch, meta["stale_version"])
+        elif not meta.get("failure"):
             self.failures.rewarded()
             if not self.buffer.admit(dict(meta, index=it.index, epoch=it.epoch), ref):
                 self.counters["groups_filtered"] += 1
@@ -452,8 +455,12 @@ class Controller:
     def _requeue_stale(self) -> None:
         for m in self.buffer.drop_stale(self.version):
             self.counters["stale_dropped"] += 1
-            self.failures.stale(m["index"], m["epoch"], self.version - m["version"], self.cfg.cluster.max_staleness)
-            self.source.requeue(m["index"], m["epoch"])
+            self._stale(m["index"], m["epoch"], m["version"])
+
+    def _stale(self, index: int, epoch: int, version: int) -> None:
+        """A group past the staleness bound (dropped from the buffer, or stopped mid-sampling): sampled again."""
+        self.failures.stale(index, epoch, self.version - version, self.cfg.cluster.max_staleness)
+        self.source.requeue(index, epoch)
 
     # Publishing waits for no generation: each worker loads the adapter between two engine steps while its requests
     # run on, so every worker serves the new version before the next cycle begins (with max_staleness 0, before any

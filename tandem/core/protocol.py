@@ -81,6 +81,7 @@ class RolloutFailure:
     retryable: bool = True
     no_reward: bool = False  # every reward function returned None for every completion: nothing to train on
     fatal: bool = False  # a reward function's answer of the wrong shape or type: the job stops (RewardContractError)
+    stale_version: int | None = None  # stopped mid-sampling, its version past max_staleness: sampled again
 
 
 def pack_completions(completions: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -94,7 +95,7 @@ def group_meta(r: RolloutGroup | RolloutFailure, informative: bool = True) -> di
     """The few numbers the controller needs about a group without fetching its payload; `informative`:
     its rewards differ (tandem.core.shaping.is_informative), for dynamic sampling."""
     if isinstance(r, RolloutFailure):
-        return {"failure": r.message, "no_reward": r.no_reward, "fatal": r.fatal}
+        return {"failure": r.message, "no_reward": r.no_reward, "fatal": r.fatal, "stale_version": r.stale_version}
     meta = {"version": r.version, "tokens": int(len(r.tokens)), "group_id": r.group_id, "informative": informative}
     if r.episodes is not None:
         meta["episodes"] = r.episodes

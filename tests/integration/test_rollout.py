@@ -256,7 +256,8 @@ def test_publishing_and_a_running_request(ray_session, hf, tiny_model, tmp_path,
     before that request's group does. Merged into the weights (the CPU's default, TRL's way) it waits for
     the request to end. Either way the running request finishes on the version it started with (all its
     log-probs the base model's: weights swapped mid-request would give the adapter's for the rest), the
-    next one samples with the new adapter as transformers does."""
+    next one samples with the new adapter as transformers does. A training group's request that a publish leaves
+    past max_staleness is stopped."""
     job = make_job(tmp_path, tiny_model, [REWARD], generation={"max_completion_length": 900, "max_prompt_length": 64},
                    batch={"num_generations": 8, "per_device_train_batch_size": 8},
                    cluster={"vllm_merge_adapter": merged})
@@ -291,6 +292,15 @@ def test_publishing_and_a_running_request(ray_session, hf, tiny_model, tmp_path,
     assert not ray_session.wait([early], timeout=0)[0], "started before the version it asked for was served"
     assert ray_session.get(w.set_adapter.remote(2, random_adapter(hf, seed=4))) == 2
     assert ray_session.get(early)[0].version == 2
+    # a training group's request (`rollout`) that can no longer be trained once version 3 is published (the job's
+    # max_staleness is 0) is stopped there, not run on to its 900 tokens; the engine samples on
+    doomed, _ = w.rollout.options(num_returns=2).remote(it[0])
+    time.sleep(0.3)
+    assert ray_session.get(w.set_adapter.remote(3, random_adapter(hf, seed=5))) == 3
+    meta = ray_session.get(doomed, timeout=20)
+    assert meta["stale_version"] == 2 and "max_staleness 0" in meta["failure"], meta
+    assert ray_session.get(w.stats.remote())["stopped_stale"] == 1
+    assert ray_session.get(w.generate.remote([it[1]], Sampling(n=2, max_tokens=8)))[0].version == 3
     ray_session.get(w.shutdown.remote())
     ray_session.kill(w)
 

@@ -230,3 +230,44 @@ def test_an_engine_serving_one_version_waits_for_held_episodes_before_a_new_one(
     loop.stop()
     t.join(5)
     assert turn2.version == 0 and eng.events.index(("add", 1, None)) < eng.events.index(("load", 1))
+
+
+class AbortingEngine(ScriptedEngine):
+    can_abort = True
+
+    def abort(self, key):
+        self.events.append(("abort", key))
+        del self.left[key]
+
+
+@pytest.mark.parametrize("one_version", [False, True])
+def test_a_training_request_that_can_no_longer_be_trained_is_stopped_and_nothing_else(one_version):
+    """max_staleness 1: a training group's request on v0 runs on while v1 loads, and is stopped (StaleRequest, the
+    engine told to abort it) once v2 is published; an evaluation's request on v0 runs to its end. An engine serving
+    one version stops it as soon as v2 waits to load (which then loads without waiting for it)."""
+    from tandem.rollout.engine_loop import StaleRequest
+
+    eng = AbortingEngine(steps=10**9, serves_one_version=one_version)
+    loop = EngineLoop(lora=True, max_staleness=1)
+    t = threading.Thread(target=loop.run, args=(eng,), daemon=True)
+    t.start()
+    train = Request(np.array([1, 2], np.int32), SAMPLING, stoppable=True)
+    evaluation = Request(np.array([3], np.int32), SAMPLING)
+    loop.submit(Sample(train))
+    loop.submit(Sample(evaluation))
+    while sum(e[0] == "add" for e in eng.events) < 2:
+        pass
+    if not one_version:
+        load(loop, 1)
+        assert not train.done.wait(0.2), "stopped one version behind, within max_staleness 1"
+    v2 = LoadVersion(2, {})
+    loop.submit(v2)
+    finish(train)
+    assert isinstance(train.error, StaleRequest) and train.error.version == 0 and train.result is None
+    assert ("abort", 0) in eng.events and not evaluation.done.is_set()
+    eng.left[1] = 1  # the evaluation ends at the next step
+    finish(evaluation)
+    assert v2.done.wait(5) and evaluation.error is None and evaluation.result is not None
+    loop.stop()
+    t.join(5)
+    assert not any(e == ("abort", 1) for e in eng.events)
