@@ -50,9 +50,9 @@ class FailureLog:
 
     def stale(self, index: int, epoch: int, lag: int, max_staleness: int) -> None:
         """A group dropped past the staleness bound, or stopped mid-sampling for it (its prompt is sampled again: not a
-        failure). The second time for
-        one row it is said once: its completions likely take longer to sample than the bound leaves them, and such
-        a row, sampled again and again, may never be trained on (the long tail of lengths at a small bound)."""
+        failure). The second time for one row it is said once: its completions likely take longer to sample than the
+        bound leaves them, and such a row, sampled again and again, may never be trained on (the long tail of lengths
+        at a small bound)."""
         n = self._stale[(index, epoch)] = self._stale.get((index, epoch), 0) + 1
         if n == 2:
             self._tell(f"tandem: dataset row {index} (epoch {epoch}) came back {lag} policy versions behind, a second "
