@@ -673,8 +673,9 @@ def run_trl_async(paths, wl, args, reward=None, tools=None, **config) -> dict:
             if comp_len else None, "publish_latency_s": None, "learner_mfu": None,
             "reward_first": logs[0].get("reward") if logs else None,
             "reward_last": logs[-1].get("reward") if logs else None,
-            "settings": f"AsyncGRPOTrainer defaults: max_staleness {staleness}, max_inflight_tasks auto; vLLM server "
-                        f"at gpu_memory_utilization {args.vllm_memory or TRL_VLLM_MEMORY}", **g}
+            "settings": f"AsyncGRPOTrainer defaults: max_staleness {staleness}, max_inflight_tasks auto, its own loss "
+                        f"(AsyncGRPOConfig has no loss_type or beta); vLLM server at gpu_memory_utilization "
+                        f"{args.vllm_memory or TRL_VLLM_MEMORY}", **g}
 
 
 # --------------------------------------------------------------------------------------- table

@@ -12,16 +12,22 @@ GIB = 1 << 30
 # sampler's logits for a full batch, LoRA slots, the allocator's slack.
 ENGINE_OVERHEAD = 3 * GIB
 SHARE_WITHOUT_SHAPE = 0.3  # auto where the model's config does not say its shape: TRL's colocate default
+# Sequences in flight where an engine's decode stops gaining throughput (its plateau): on one H200 serving a LoRA
+# adapter at Qwen2.5-1.5B's shape, 256 sequences make 1.19x the tokens a second of 128 and 512 make less
+# (bench/results/plateau_gpu.md); decode turns from reading the weights to computing near peak FLOPs x bytes per
+# weight / (2 x memory bandwidth) sequences, ~200 on an H200 in bf16 whatever the model's size. On a CPU, vLLM's
+# own default batch.
+PLATEAU_SEQUENCES = {"gpu": 256, "cpu": 128}
 
 
 def prompts_in_flight(cfg) -> int:
-    """Prompts the controller keeps in each worker's engine: `cluster.rollout_prompts_in_flight`, or as
-    many groups as fill the engine's batch (max_num_seqs / num_generations), at least one cycle's worth
-    split over the workers."""
+    """Prompts the controller keeps at most in each worker's engine: `cluster.rollout_prompts_in_flight`, or as
+    many groups as reach the engine's plateau (`vllm_max_num_seqs`, else PLATEAU_SEQUENCES, over num_generations).
+    The staleness bound may keep fewer there (services/orchestrator/pipeline.py: k + 1 batches outstanding at most)."""
     c = cfg.cluster
     if c.rollout_prompts_in_flight is not None:
         return c.rollout_prompts_in_flight
-    seqs = c.vllm_max_num_seqs or (256 if c.rollout_resources.num_gpus > 0 else 128)
+    seqs = c.vllm_max_num_seqs or PLATEAU_SEQUENCES["gpu" if c.rollout_resources.num_gpus > 0 else "cpu"]
     return max(1, seqs // cfg.batch.num_generations)
 
 
