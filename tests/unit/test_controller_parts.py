@@ -336,3 +336,31 @@ def test_a_row_dropped_stale_twice_is_said_once_and_not_recorded_as_failed(tmp_p
                     "each time (count/stale_dropped); allowed: a larger cluster.max_staleness, or a smaller "
                     "generation.max_completion_length"]
     assert not (tmp_path / "f.jsonl").exists() and log.state() == {"failed": []}
+
+
+def test_a_group_stopped_mid_sampling_and_one_dropped_stale_are_both_sampled_again(job_files, tmp_path):
+    """The controller's two stale paths (a worker's RolloutFailure with stale_version, a buffered group past the bound)
+    hand the prompt out again, count it, and say a row's second time; no failure recorded."""
+    import numpy as np
+
+    from tandem.core.config import JobConfig
+    from tandem.core.protocol import PromptItem, RolloutFailure, group_meta
+    from tandem.services.orchestrator.controller import Controller
+    from tandem.services.orchestrator.failures import FailureLog
+    from tandem.services.orchestrator.group_buffer import GroupBuffer
+    from tandem.services.orchestrator.prompt_source import PromptSource
+
+    ctl = Controller(JobConfig.from_dict({**job_files, "cluster": {"max_staleness": 1}}))
+    said = []
+    ctl.source, ctl.buffer = PromptSource(10, 0), GroupBuffer(1, 10)
+    ctl.failures = FailureLog(tmp_path / "f.jsonl", ["r.py:f"], unique_prompts=2, rows=10, say=said.append)
+    ctl.progress.version = 3
+    item = PromptItem(group_id=9, index=4, prompt_ids=np.array([1, 2], np.int32), prompt="p")
+    ctl._accept(item, group_meta(RolloutFailure(9, 4, "stopped", stale_version=1)), None)
+    ctl.buffer.admit({"index": 4, "epoch": 0, "version": 1}, object())  # sampled again, and again too slow
+    ctl.buffer.admit({"index": 5, "epoch": 0, "version": 2}, object())  # within the bound
+    ctl._requeue_stale()
+    assert list(ctl.source.requeued) == [(4, 0), (4, 0)] and ctl.buffer.pending() == [(5, 0)]
+    assert ctl.counters == {"stale_stopped": 1, "stale_dropped": 1}
+    assert len(said) == 1 and said[0].startswith("tandem: dataset row 4 (epoch 0) came back 2 policy versions behind")
+    assert ctl.failures.failed == [] and ctl.source.retries == {}
