@@ -11,6 +11,7 @@ other (prime-rl's orchestrator; torchforge's two loops around a buffer):
   Checkpointer   when, where, how many, what to resume from
   RunLog         metrics.jsonl, the Ray metrics and the trackers of logging.report_to (Trackers)
   Evaluator      the eval prompts on the workers serving the newest adapter, every eval.eval_steps
+  pipeline       how many prompts max_staleness lets out, and when the next batch may train ahead (pure)
 
 Each part that holds run state saves and loads its own share (state / load); the controller's checkpoint
 state is the dict of those. The controller moves object refs, never payloads: a group goes from its worker's
