@@ -615,6 +615,49 @@ def start_vllm_server(model: str, wl: dict, args, max_loras: int) -> subprocess.
     raise RuntimeError("vllm serve not ready within 900 s: " + Path(log.name).read_text()[-3000:])
 
 
+# TRL's AsyncGRPOTrainer samples conversations only (a prompt is a message list it renders with the tokenizer's chat
+# template, whose response format it must know). A workload of text prompts goes to it as one user message under a
+# template that renders exactly that text, and a response format of plain text: the same prompt tokens every other
+# candidate samples from (Qwen2.5's own template would put the long-tail marker mid-prompt, which the warm-up did not
+# teach).
+AS_TEXT_TEMPLATE = "{{ messages[0]['content'] }}"
+AS_TEXT_RESPONSE = {"defaults": {"role": "assistant"}, "fields": {"content": {"content": "text"}}}
+
+
+def as_conversations(rows: list[dict], tok) -> list[dict]:
+    """The rows for AsyncGRPOTrainer: text prompts as one-message conversations, `tok` set to render them as the text
+    (AS_TEXT_TEMPLATE); conversations as they are."""
+    if not rows or not isinstance(rows[0]["prompt"], str):
+        return rows
+    tok.chat_template, tok.response_template = AS_TEXT_TEMPLATE, AS_TEXT_RESPONSE
+    return [dict(r, prompt=[{"role": "user", "content": r["prompt"]}]) for r in rows]
+
+
+def trl_async_blocker() -> str | None:
+    """Why TRL's AsyncGRPOTrainer cannot train on this machine, in its own error, or None. It trains with
+    attn_implementation "tree_fa3", whose flash-attention kernel Hugging Face's `kernels` package fetches from the Hub
+    (`get_kernel("kernels-community/flash-attn3")`, trl/experimental/async_grpo/packing.py) on the first forward,
+    minutes into a run. Asked here first, with this checkout's own kernels/ folder (on sys.path for `tandem`) kept
+    from standing in for that package."""
+    import importlib
+
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+    ours = sys.modules.get("kernels")
+    if ours is not None and ROOT in Path(getattr(ours, "__file__", None) or "/").resolve().parents:
+        del sys.modules["kernels"]  # imported by that name through the checkout (a library probing for the package)
+    try:
+        importlib.import_module("kernels")  # Hugging Face's, from site-packages: TRL's import finds it in sys.modules
+        from trl.experimental.async_grpo.packing import _flash_attn
+
+        _flash_attn()
+    except Exception as e:  # noqa: BLE001 - whatever stops it, said as it is
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    finally:
+        sys.path[:] = saved
+    return None
+
+
 def run_trl_async(paths, wl, args, reward=None, tools=None, **config) -> dict:
     """TRL's AsyncGRPOTrainer as its users run it on one node: a vLLM server generating while the trainer trains, the
     adapter synced to it after every step, its own defaults for staleness and in-flight requests (said in the
@@ -625,13 +668,20 @@ def run_trl_async(paths, wl, args, reward=None, tools=None, **config) -> dict:
     from datasets import Dataset
     from e2e_reward import ids_reward
     from peft import LoraConfig
-    from transformers import TrainerCallback
+    from transformers import AutoTokenizer, TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
+    blocker = trl_async_blocker()
+    if blocker:
+        raise SystemExit(f"trl_async: TRL's AsyncGRPOTrainer cannot train here: its attention (tree_fa3) needs Hugging "
+                         f"Face's `kernels` package and the kernels-community/flash-attn3 kernel from the Hub, and "
+                         f"loading it said {blocker!r}; it would need both installed (the kernel in the local Hugging "
+                         f"Face cache where the Hub cannot be reached)")
     staleness = wl.get("trl_async_staleness", TRL_ASYNC_STALENESS)
     server = start_vllm_server(paths["model"], wl, args, max_loras=staleness + 2)
     try:
-        rows = [json.loads(x) for x in Path(paths["data"]).read_text().splitlines()]
+        tok = AutoTokenizer.from_pretrained(paths["model"])
+        rows = as_conversations([json.loads(x) for x in Path(paths["data"]).read_text().splitlines()], tok)
         stamps = []
 
         class Clock(TrainerCallback):
@@ -653,7 +703,8 @@ def run_trl_async(paths, wl, args, reward=None, tools=None, **config) -> dict:
         peft = LoraConfig(r=lora["r"], lora_alpha=lora["lora_alpha"],
                           target_modules=lora.get("target_modules") or "all-linear", task_type="CAUSAL_LM")
         tr = AsyncGRPOTrainer(model=paths["model"], reward_funcs=reward or ids_reward, args=conf,
-                              train_dataset=Dataset.from_list(rows), peft_config=peft, callbacks=[Clock()],
+                              train_dataset=Dataset.from_list(rows), processing_class=tok, peft_config=peft,
+                              callbacks=[Clock()],
                               **({"tools": tools} if tools else {}))
         tr.train()
         g = stop[0]() if stop[0] else {}
