@@ -472,11 +472,11 @@ class Controller:
         return self.pool.send(self.version, adapter_ref), time.time()
 
     def _feed_ahead(self) -> None:
-        """max_staleness k >= 1: the prompts the staleness bound allows for the version just sent go out now (those of
-        the batches after the one in training, if any): each worker starts them the moment it serves that version,
-        instead of idling for a round trip to here."""
-        if self.cfg.cluster.max_staleness > 0:
-            self._gather(self._wanted(training=self.progress.training is not None), timeout=0.0)
+        """The prompts the staleness bound allows for the version just sent go out now (those of the batches after the
+        one in training, if any): each worker starts them the moment it serves that version, while this cycle's
+        metrics, evaluation, checkpoint and the driver's next call run. With max_staleness 0 that is the next batch,
+        sampled with the new version as before, no longer after the bookkeeping."""
+        self._gather(self._wanted(training=self.progress.training is not None), timeout=0.0)
 
     def _await_published(self, sent: tuple) -> None:
         """Every worker serves the version sent; prompts a worker that died on it held are handed out again."""
