@@ -313,7 +313,7 @@ class Controller:
             self._await_published(sent)
         steps = self._metrics(result["steps"], batch, before, stage, training.sampled)
         with stage("record"):
-            saved = self._record(steps)
+            saved = self._record(steps, saving)
             self._push()
         self._autoscale(stage.seconds)
         return {"version": self.version, "steps": steps, "done": self._done(), "notices": notices(), "saved": saved}
@@ -350,8 +350,12 @@ class Controller:
                 self.counters["groups_filled"] += filled
                 continue
             self._gather(max(U, self._wanted(training=False)), timeout=1.0)
-        sampled = {"dynamic_sampling/prompts_sampled": self.buffer.sampled, "dynamic_sampling/filled": filled}
+        sampled = self._sampled(filled)
         return self.buffer.take(U), sampled
+
+    def _sampled(self, filled: int) -> dict:
+        """Dynamic sampling's counts of the batch about to be taken (the take starts them again)."""
+        return {"dynamic_sampling/prompts_sampled": self.buffer.sampled, "dynamic_sampling/filled": filled}
 
     def _start_training(self, batch: list, sampled: dict) -> Training:
         return Training(batch, sampled, self.learner.train_async([g for _, g in batch]))
@@ -362,7 +366,7 @@ class Controller:
         self._requeue_stale()
         if len(self.buffer) < self.plan.unique_prompts:
             return None
-        sampled = {"dynamic_sampling/prompts_sampled": self.buffer.sampled, "dynamic_sampling/filled": 0}
+        sampled = self._sampled(filled=0)
         self.counters["batches_trained_ahead"] += 1
         return self._start_training(self.buffer.take(self.plan.unique_prompts), sampled)
 
@@ -506,12 +510,13 @@ class Controller:
         }
         return [dict(s, **extra) for s in steps]
 
-    def _record(self, steps: list[dict]) -> str | None:
-        """The eval when due (on the last step's line), the metrics lines, the checkpoint when due (-> its path)."""
+    def _record(self, steps: list[dict], saving: bool) -> str | None:
+        """The eval when due (on the last step's line), the metrics lines, the checkpoint when `saving` (-> its
+        path)."""
         if self.evaluator and self.evaluator.due(steps[0]["step"], steps[-1]["step"], self._done()):
             steps[-1].update(self.evaluator.run(self.pool.ray, self.pool.serving(), self.version, steps[-1]["step"]))
         self.log.write(steps)
-        return self._save() if self.checkpoints.due([s["step"] for s in steps]) else None
+        return self._save() if saving else None
 
     # ------------------------------------------------------------------------------- control
 
