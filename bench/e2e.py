@@ -408,7 +408,12 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
         "s_per_step": per_step, "s_per_step_median": statistics.median(step_s), "step_s": step_s,
         "gen_s_per_step": med("rollout_busy_s"), "train_s_per_step": med("train_s"),
         "completions_per_s": wl["prompts"] * wl["num_generations"] * len(rows) / wall,
-        "gen_tokens_per_s": med("rollout/gen_tokens_per_s"),
+        # completion tokens trained a second, as the peers' rows count theirs (mean length x completions over the
+        # wall); the engine's own per-cycle figure counts a group's tokens in the cycle it finishes, which at
+        # max_staleness >= 1 is often a later cycle than the one whose busy time sampled them
+        "gen_tokens_per_s": sum(s["completion_length"] for s in rows if s.get("completion_length") is not None)
+        * wl["prompts"] * wl["num_generations"] / wall,
+        "engine_cycle_tokens_per_s": med("rollout/gen_tokens_per_s"),
         "publish_latency_s": med("publish_latency_s"), "generate_wait_s": med("generate_wait_s"),
         "cycle_s_median": med("cycle_s"), "batches_trained_ahead": top("count/batches_trained_ahead"),
         "stale_dropped": top("count/stale_dropped"),  # groups sampled and dropped past max_staleness
