@@ -638,12 +638,9 @@ def as_conversations(rows: list[dict], tok) -> list[dict]:
     return [dict(r, prompt=[{"role": "user", "content": r["prompt"]}]) for r in rows]
 
 
-def trl_async_blocker() -> str | None:
-    """Why TRL's AsyncGRPOTrainer cannot train on this machine, in its own error, or None. It trains with
-    attn_implementation "tree_fa3", whose flash-attention kernel Hugging Face's `kernels` package fetches from the Hub
-    (`get_kernel("kernels-community/flash-attn3")`, trl/experimental/async_grpo/packing.py) on the first forward,
-    minutes into a run. Asked here first, with this checkout's own kernels/ folder (on sys.path for `tandem`) kept
-    from standing in for that package."""
+def hf_kernels():
+    """Hugging Face's `kernels` package, imported with this checkout's own kernels/ folder (on sys.path for `tandem`)
+    kept from standing in for it; TRL's later `from kernels import get_kernel` finds it in sys.modules."""
     import importlib
 
     saved = list(sys.path)
@@ -652,15 +649,47 @@ def trl_async_blocker() -> str | None:
     if ours is not None and ROOT in Path(getattr(ours, "__file__", None) or "/").resolve().parents:
         del sys.modules["kernels"]  # imported by that name through the checkout (a library probing for the package)
     try:
-        importlib.import_module("kernels")  # Hugging Face's, from site-packages: TRL's import finds it in sys.modules
+        return importlib.import_module("kernels")
+    finally:
+        sys.path[:] = saved
+
+
+def trl_async_blocker() -> str | None:
+    """Why TRL's AsyncGRPOTrainer cannot train on this machine, in its own error, or None. It trains with
+    attn_implementation "tree_fa3", whose flash-attention kernel Hugging Face's `kernels` package fetches from the Hub
+    (`get_kernel("kernels-community/flash-attn3")`, trl/experimental/async_grpo/packing.py) on the first forward,
+    minutes into a run: asked here first."""
+    try:
+        hf_kernels()
         from trl.experimental.async_grpo.packing import _flash_attn
 
+        _flash_attn.cache_clear()
         _flash_attn()
     except Exception as e:  # noqa: BLE001 - whatever stops it, said as it is
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-    finally:
-        sys.path[:] = saved
     return None
+
+
+# Where the Hub's FlashAttention-3 kernel cannot be had, TRL's AsyncGRPOTrainer runs on this local stand-in (torch's
+# varlen FlashAttention-2; its module docstring), through the `kernels` package's own LOCAL_KERNELS override.
+TRL_ASYNC_ATTENTION = ROOT / "bench" / "trl_async_attention"
+FA3_REPO = "kernels-community/flash-attn3"
+
+
+def trl_async_attention() -> str:
+    """The attention TRL's AsyncGRPOTrainer will run with here, said for its row: the Hub's FA3 kernel where it
+    loads, else the local stand-in (LOCAL_KERNELS set for this process and its children); SystemExit where neither."""
+    hub = trl_async_blocker()
+    if hub is None:
+        return "FlashAttention-3 (kernels-community/flash-attn3), as TRL runs it"
+    os.environ["LOCAL_KERNELS"] = f"{FA3_REPO}={TRL_ASYNC_ATTENTION}"
+    local = trl_async_blocker()
+    if local is not None:
+        raise SystemExit(f"trl_async: TRL's AsyncGRPOTrainer cannot train here: its attention (tree_fa3) needs Hugging "
+                         f"Face's `kernels` package and the {FA3_REPO} kernel, which said {hub!r} from the Hub and "
+                         f"{local!r} from the local stand-in {TRL_ASYNC_ATTENTION}")
+    return (f"torch's varlen FlashAttention-2 in place of {FA3_REPO} (not reachable here: {hub}), through "
+            f"LOCAL_KERNELS={FA3_REPO}=bench/trl_async_attention")
 
 
 def run_trl_async(paths, wl, args, reward=None, tools=None, **config) -> dict:
@@ -676,12 +705,7 @@ def run_trl_async(paths, wl, args, reward=None, tools=None, **config) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-    blocker = trl_async_blocker()
-    if blocker:
-        raise SystemExit(f"trl_async: TRL's AsyncGRPOTrainer cannot train here: its attention (tree_fa3) needs Hugging "
-                         f"Face's `kernels` package and the kernels-community/flash-attn3 kernel from the Hub, and "
-                         f"loading it said {blocker!r}; it would need both installed (the kernel in the local Hugging "
-                         f"Face cache where the Hub cannot be reached)")
+    attention = trl_async_attention()
     staleness = wl.get("trl_async_staleness", TRL_ASYNC_STALENESS)
     server = start_vllm_server(paths["model"], wl, args, max_loras=staleness + 2)
     try:
@@ -731,7 +755,7 @@ def run_trl_async(paths, wl, args, reward=None, tools=None, **config) -> dict:
             "reward_last": logs[-1].get("reward") if logs else None,
             "settings": f"AsyncGRPOTrainer defaults: max_staleness {staleness}, max_inflight_tasks auto, its own loss "
                         f"(AsyncGRPOConfig has no loss_type or beta); vLLM server at gpu_memory_utilization "
-                        f"{args.vllm_memory or TRL_VLLM_MEMORY}", **g}
+                        f"{args.vllm_memory or TRL_VLLM_MEMORY}; attention: {attention}", **g}
 
 
 # --------------------------------------------------------------------------------------- table

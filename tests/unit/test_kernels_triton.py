@@ -376,7 +376,10 @@ def test_in_kernel_tis_from_logp_equals_the_weight_taken_first(seed, dtype, mode
     wts = token_weights(mask, "dapo").reshape(-1)
     with torch.no_grad():
         lp, _ = tk.linear_logprobs_triton(h.detach(), w.detach(), ids, 0.9)
-    sampler = (lp.view(B, T) + 0.4 * torch.randn(B, T, device=DEV)).masked_fill(~mask, float("nan"))
+    mask[0, :2] = True
+    noise = 0.4 * torch.randn(B, T, device=DEV)
+    noise[0, 0], noise[0, 1] = 1.0, -1.0  # a token past each bound whatever the seed draws
+    sampler = (lp.view(B, T) + noise).masked_fill(~mask, float("nan"))
     tis = tis_weight(lp.view(B, T), sampler, mask, 1.3, mode, clip_min).reshape(-1)
     d = (lp.view(B, T) - sampler)[mask]
     assert (d > 0.3).any() and (d < -0.3).any(), f"seed {seed}: no token beyond the bounds"
