@@ -782,12 +782,14 @@ def pipeline_efficiency(run: dict, synchronous: dict | None) -> float | None:
 
 def sharing_speeds(run: dict, synchronous: dict | None) -> dict:
     """What sharing the device costs each side, against the `max_staleness: 0` run (where each runs alone): the
-    engine's generated tokens a second while it has requests, and the learner's forwards' speed, each as a share of
-    its speed alone (1.0: no slowdown). Their sum is what the pair gets out of the device: 2.0 would be two devices."""
+    engine's trained tokens a second of its busy time (tokens a second over the share of the run it had requests),
+    and the learner's forwards' speed, each as a share of its speed alone (1.0: no slowdown). Their sum is what the
+    pair gets out of the device: 2.0 would be two devices."""
     if not synchronous or run is synchronous:
         return {}
     ratio = lambda a, b: a / b if a and b else None  # noqa: E731
-    return {"engine_x_alone": ratio(run.get("gen_tokens_per_s"), synchronous.get("gen_tokens_per_s")),
+    busy = lambda r: ratio(r.get("gen_tokens_per_s"), r.get("rollout_busy_frac"))  # noqa: E731
+    return {"engine_x_alone": ratio(busy(run), busy(synchronous)),
             "learner_x_alone": ratio(synchronous.get("learner_forwards_s"), run.get("learner_forwards_s"))}
 
 
