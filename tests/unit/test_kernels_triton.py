@@ -372,11 +372,11 @@ def test_in_kernel_tis_from_logp_equals_the_weight_taken_first(seed, dtype, mode
     B, T, H, V = 3, 11, 16, 296
     h, w, ids = _linear_case(B * T, H, V, dtype)
     mask = torch.rand(B, T, device=DEV) > 0.25
+    mask[0, :2] = True
     adv = torch.randn(B, device=DEV).repeat_interleave(T)
     wts = token_weights(mask, "dapo").reshape(-1)
     with torch.no_grad():
         lp, _ = tk.linear_logprobs_triton(h.detach(), w.detach(), ids, 0.9)
-    mask[0, :2] = True
     noise = 0.4 * torch.randn(B, T, device=DEV)
     noise[0, 0], noise[0, 1] = 1.0, -1.0  # a token past each bound whatever the seed draws
     sampler = (lp.view(B, T) + noise).masked_fill(~mask, float("nan"))
