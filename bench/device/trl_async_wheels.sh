@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # TRL's AsyncGRPOTrainer (the trl_async candidate) needs Hugging Face's `kernels` package, which
 # ../shared/device/gpu-wheels.sh does not carry. Here (no device): `bash bench/device/trl_async_wheels.sh` downloads it
-# and what it needs into .parts/trl_async/ (3 MB). On the device, in a call carrying ".parts/trl_async":
+# and what it needs into .parts/trl_async/ (3 MB). On the device, in a call carrying ".parts/trl_async" (e2e.sh and
+# agentic.sh do this themselves when the call carries it):
 # `bash bench/device/trl_async_wheels.sh install` puts them into /tmp/site beside the other carried packages
 # (huggingface_hub only where the machine's is older than kernels asks for).
 set -euo pipefail
