@@ -631,8 +631,15 @@ AS_TEXT_RESPONSE = {"defaults": {"role": "assistant"}, "fields": {"content": {"c
 
 def as_conversations(rows: list[dict], tok) -> list[dict]:
     """The rows for AsyncGRPOTrainer: text prompts as one-message conversations, `tok` set to render them as the text
-    (AS_TEXT_TEMPLATE); conversations as they are."""
-    if not rows or not isinstance(rows[0]["prompt"], str):
+    (AS_TEXT_TEMPLATE); conversations as they are, with the response format TRL knows for `tok`'s chat template (its
+    tool-call parsing), else the whole completion as the answer's text."""
+    if rows and not isinstance(rows[0]["prompt"], str):
+        from trl.chat_template_utils import add_response_schema
+
+        try:
+            add_response_schema(tok)
+        except ValueError:  # a template TRL does not know (the CPU workload's own)
+            tok.response_template = AS_TEXT_RESPONSE
         return rows
     tok.chat_template, tok.response_template = AS_TEXT_TEMPLATE, AS_TEXT_RESPONSE
     return [dict(r, prompt=[{"role": "user", "content": r["prompt"]}]) for r in rows]
