@@ -695,8 +695,9 @@ def trl_async_attention() -> str:
         raise SystemExit(f"trl_async: TRL's AsyncGRPOTrainer cannot train here: its attention (tree_fa3) needs Hugging "
                          f"Face's `kernels` package and the {FA3_REPO} kernel, which said {hub!r} from the Hub and "
                          f"{local!r} from the local stand-in {TRL_ASYNC_ATTENTION}")
-    return (f"torch's varlen FlashAttention-2 in place of {FA3_REPO} (not reachable here: {hub}), through "
-            f"LOCAL_KERNELS={FA3_REPO}=bench/trl_async_attention")
+    how = "torch's varlen FlashAttention-2" if on_gpu_machine() else "masked attention per segment (no GPU)"
+    return (f"bench/trl_async_attention in place of {FA3_REPO} (not reachable here: {hub}): {how}, through "
+            f"LOCAL_KERNELS")
 
 
 def run_trl_async(paths, wl, args, reward=None, tools=None, **config) -> dict:
