@@ -7,7 +7,7 @@ cd "$(dirname "$0")/../.."
 for d in services learner rollout kernels; do ln -sfn ../$d tandem/$d; done  # tandem.* from this tree
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0  # tests/conftest.py interprets Triton on the CPU; here the kernels compile
 # test_trl_async_attention runs TRL's attention through Hugging Face's kernels package: from .parts/trl_async
-[ -d .parts/trl_async ] && [ ! -d /tmp/site/kernels ] && bash bench/device/trl_async_wheels.sh install
+bash bench/device/trl_async_wheels.sh install
 CUDA_TESTS="tests/unit/test_fused_layers.py tests/unit/test_padding_free.py tests/unit/test_sm_carveout.py
   tests/unit/test_weights_payload.py tests/unit/test_kernels_triton.py tests/unit/test_grpo_loss_path.py
   tests/unit/test_config.py tests/unit/test_trl_async_attention.py tests/integration/test_engine_memory_gpu.py"

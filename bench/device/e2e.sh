@@ -5,7 +5,7 @@ cd "$(dirname "$0")/../.."
 for d in services learner rollout kernels; do ln -sfn ../$d tandem/$d; done  # tandem.* from this tree
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false RAY_DEDUP_LOGS=0
 # trl_async needs Hugging Face's kernels package: installed from .parts/trl_async where a call carries it
-[ -d .parts/trl_async ] && [ ! -d /tmp/site/kernels ] && bash bench/device/trl_async_wheels.sh install
+bash bench/device/trl_async_wheels.sh install
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 log="$OUT/log-${1//,/-}.txt"  # one file name per call, commas out
 python3 bench/e2e_gpu.py --candidates "$1" --out "$OUT/e2e" --dir /tmp/tandem-e2e "${@:2}" > "$log" 2>&1

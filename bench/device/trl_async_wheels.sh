@@ -8,6 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 if [ "${1:-}" = install ]; then
+  [ -d .parts/trl_async ] || exit 0      # this call carries none
+  [ -d /tmp/site/kernels ] && exit 0     # installed by an earlier call on this machine
   hub_ok=$(python3 -c "import huggingface_hub as h; from packaging.version import Version as V; print(int(V(h.__version__) >= V('1.32')))" 2>/dev/null || echo 0)
   wheels=$(ls .parts/trl_async/*.whl | grep -v huggingface_hub || true)
   [ "$hub_ok" = 1 ] || wheels="$wheels $(ls .parts/trl_async/huggingface_hub*.whl)"
