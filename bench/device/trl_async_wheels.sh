@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # TRL's AsyncGRPOTrainer (the trl_async candidate) needs Hugging Face's `kernels` package, which
 # ../shared/device/gpu-wheels.sh does not carry. Here (no device): `bash bench/device/trl_async_wheels.sh` downloads it
-# and what it needs into .parts/trl_async/ (3 MB). On the device, in a call carrying ".parts/trl_async" (e2e.sh and
-# agentic.sh do this themselves when the call carries it):
+# and what it needs into .parts/trl_async/ (3 MB). On the device, in a call carrying ".parts/trl_async":
 # `bash bench/device/trl_async_wheels.sh install` puts them into /tmp/site beside the other carried packages
-# (huggingface_hub only where the machine's is older than kernels asks for).
+# (huggingface_hub only where the machine's is older than kernels asks for); e2e.sh, agentic.sh and cuda_tests.sh call
+# it, and it does nothing where the call carries none or an earlier call installed them.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 if [ "${1:-}" = install ]; then
