@@ -114,6 +114,11 @@ KEYS = ("s_per_step", "gen_s_per_step", "train_s_per_step", "completions_per_s",
 # ------------------------------------------------------------------------------------ workload
 
 
+def model_len(wl: dict) -> int:
+    """The model's positions (config.json) and the server's max_model_len: a prompt and its completion fit."""
+    return max(2048, 2 * wl["max_tokens"])
+
+
 def prepare(work: Path, wl: dict) -> dict:
     """Model, tokenizer and prompts under `work` (built once, reused by every candidate)."""
     from tandem.services.devtools.tiny_model import build_tiny_model
@@ -127,7 +132,7 @@ def prepare(work: Path, wl: dict) -> dict:
         build_tiny_model(model, layers=m["layers"], hidden=m["hidden"], heads=m["heads"], kv_heads=m["kv_heads"],
                          intermediate=m["intermediate"], vocab=m["vocab"], tie_word_embeddings=m["tie"],
                          dtype=m["dtype"], seed=0,
-                         max_position_embeddings=max(2048, 2 * wl["max_tokens"]),  # vLLM: prompt + completion fit
+                         max_position_embeddings=model_len(wl),
                          device="cuda" if on_gpu_machine() else "cpu")
     if wl.get("longtail") and not (model / "longtail.json").is_file():
         longtail_warm_up(model, wl)
@@ -601,13 +606,14 @@ def start_vllm_server(model: str, wl: dict, args, max_loras: int) -> subprocess.
     import urllib.request
 
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="1")
+    max_len = model_len(wl)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(TRL_ASYNC_PORT),
            "--dtype", wl["model"]["dtype"], "--gpu-memory-utilization", str(args.vllm_memory or TRL_VLLM_MEMORY),
            "--enable-lora", "--max-lora-rank", str(max(16, wl["lora"]["r"])), "--max-loras", str(max_loras),
-           "--max-model-len", str(max(2048, 2 * wl["max_tokens"]))]
+           "--max-model-len", str(max_len)]
     if not on_gpu_machine():  # vLLM-CPU cannot rewind a seeded request's generator after a partial prefill (TRL seeds
         # every request): a step's token budget that holds every sequence's whole prompt leaves none partial
-        cmd += ["--max-num-seqs", "64", "--max-num-batched-tokens", str(64 * max(2048, 2 * wl["max_tokens"]))]
+        cmd += ["--max-num-seqs", "64", "--max-num-batched-tokens", str(64 * max_len)]
     log = open(Path(args.dir) / "vllm_server.log", "w")
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     end = time.time() + 900
