@@ -764,8 +764,8 @@ def run_trl_async(paths, wl, args, reward=None, tools=None, **config) -> dict:
     logs = [h for h in tr.state.log_history if "loss" in h][wl["warmup"]:]
     comp_len = statistics.mean(h.get("completions/mean_length", 0) for h in logs) if logs else None
     # the samples each step trained, as it logs them (a token budget would make them vary)
-    trained = sum(h.get("batch/samples_per_step", wl["prompts"] * wl["num_generations"]) for h in logs) \
-        if logs else wl["prompts"] * wl["num_generations"] * len(meas)
+    asked = wl["prompts"] * wl["num_generations"]
+    trained = sum(h.get("batch/samples_per_step", asked) for h in logs) if logs else asked * len(meas)
     calls = [h["tools/call_frequency"] for h in logs if "tools/call_frequency" in h]
     episodes = {"tool_calls_per_episode": statistics.median(calls), "turns_per_episode": 1 + statistics.median(calls)} \
         if calls else {}
@@ -777,8 +777,8 @@ def run_trl_async(paths, wl, args, reward=None, tools=None, **config) -> dict:
             "reward_last": logs[-1].get("reward") if logs else None,
             "settings": f"AsyncGRPOTrainer defaults: max_staleness {staleness}, max_inflight_tasks auto, its own loss "
                         f"(AsyncGRPOConfig has no loss_type or beta), but token_budget 0 (the candidates' batch: "
-                        f"per_device_train_batch_size x gradient_accumulation_steps samples a step); vLLM server at gpu_memory_utilization "
-                        f"{args.vllm_memory or TRL_VLLM_MEMORY}; attention: {attention}", **g}
+                        f"per_device_train_batch_size x gradient_accumulation_steps samples a step); vLLM server at "
+                        f"gpu_memory_utilization {args.vllm_memory or TRL_VLLM_MEMORY}; attention: {attention}", **g}
 
 
 # --------------------------------------------------------------------------------------- table
