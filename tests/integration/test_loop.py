@@ -277,7 +277,10 @@ def test_a_prompt_that_kills_its_worker_fails_alone_and_the_run_goes_on(ray_sess
     finally:
         ctl.shutdown()
     deaths = [x for x in capfd.readouterr().err.splitlines() if "rollout worker 0 died" in x]
-    assert len(deaths) == 2 and "replaced (1 in a row)" in deaths[0] and "replaced (2 in a row)" in deaths[1]
+    assert len(deaths) == 2 and "replaced (1 in a row)" in deaths[0]
+    # the count runs since a group last came back from the slot: 2 when row 3 was the replacement's first item, 1 when
+    # another suspect it was handed before (row 2, held with row 3 by the first worker) came back first
+    assert deaths[1].endswith(("replaced (2 in a row)", "replaced (1 in a row)")), deaths[1]
     assert "while running dataset rows [3]" in deaths[1]  # the second time alone
     assert [x for x in notices if "rollout worker 0 died" in x] == deaths  # handed to the driver with the cycle
     assert any(x.startswith("tandem: dataset row 3 (epoch 0) not trained on, worker_died: ") for x in notices), notices
