@@ -19,8 +19,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import tandem.services, torch, vllm, ray, deepspeed, peft, transformers, pydantic"
 	touch $(STAMP)
 
+# Unit tests first (a broken one shows in seconds; some bound a tool's time in fractions of a second), then the
+# integration tests two files at a time: each spends half its time in one busy process (a generation cycle,
+# then a training step), so two side by side fill both cores. Those marked `alone` last, by themselves.
 test: install
-	$(BIN)/python -m pytest -q -x --durations=12 tests
+	$(BIN)/python -m pytest -q -x tests/unit
+	$(BIN)/python -m pytest -q -x -n 2 --dist loadfile -m "not alone" --durations=12 tests/integration
+	$(BIN)/python -m pytest -q -x -m alone --durations=6 tests/integration
 
 unit: install
 	$(BIN)/python -m pytest -q tests/unit

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port
+
 # Kernels run through Triton's interpreter on CPU (must be set before triton is imported).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -38,7 +40,11 @@ def job_files(tmp_path):
 
 def pytest_collection_modifyitems(config, items):
     # Integration tests after the fast unit tests, so a broken unit shows up in seconds.
-    # The tests of the `ray start` head last, together: its processes then run beside no other test.
+    # The tests of the `ray start` head last, together and `alone` (make test runs those by themselves): they bound
+    # how soon a SIGTERM saves and a wrong token is named, and the head's processes stay up until the session ends.
+    for it in items:
+        if "ray_head" in getattr(it, "fixturenames", ()):
+            it.add_marker(pytest.mark.alone)
     items.sort(key=lambda it: (it.get_closest_marker("integration") is not None,
                                "ray_head" in getattr(it, "fixturenames", ())))
 
@@ -70,14 +76,6 @@ def ray_session(tmp_path_factory):
     ray.shutdown()
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def ray_head():
     """A second Ray cluster, started as users start one (`ray start --head`, token-authenticated, its
@@ -95,7 +93,7 @@ def ray_head():
 
     token = secrets.token_hex(32)
     temp = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths must stay under 108 bytes
-    ports = {name: _free_port() for name in ("port", "dashboard-port", "dashboard-agent-listen-port",
+    ports = {name: free_port() for name in ("port", "dashboard-port", "dashboard-agent-listen-port",
                                              "dashboard-agent-grpc-port", "runtime-env-agent-port",
                                              "ray-client-server-port", "metrics-export-port")}
     bindir = os.path.dirname(sys.executable)

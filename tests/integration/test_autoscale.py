@@ -8,6 +8,7 @@ from tests.helpers import run_job_script
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.alone  # the worker count follows how long the learner waits: other tests' load would move it
 def test_rollout_workers_follow_the_load_and_the_autoscaler_adds_and_removes_their_nodes(tmp_path, tiny_model):
     """The head holds no `rollout` resource: the autoscaler starts the first rollout node for the job's request.
     While the reward is slow the learner waits for groups: one worker more (bound 2), a second node started for it,

@@ -3,7 +3,6 @@ the accumulation, the number of ranks and the ZeRO stage."""
 
 import pickle
 import re
-import socket
 from pathlib import Path
 
 import pytest
@@ -11,18 +10,12 @@ import torch
 
 from tandem.learner.actor import Learner
 from tandem.learner.safe_load import CheckpointRefused
-from tests.helpers import ROOT, make_job
+from tests.helpers import ROOT, free_port, make_job
 from tests.helpers.learner import make_groups, reference_step, sgd, started, with_tool_spans
 
 pytestmark = pytest.mark.integration
 REWARD = f"{ROOT}/examples/rewards.py:length_reward"
 LR = 0.5
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job(tmp_path, model_path, *, per, ga, spg, loss_type="dapo", zero=0, nproc=1, mu=1, **extra):
@@ -416,11 +409,11 @@ def test_a_planted_pickle_in_any_checkpoint_file_is_refused_and_runs_nothing(tmp
 
 
 FULL_DISK = r'''
-import os, resource, signal, socket, sys
+import os, resource, signal, sys
 sys.path.insert(0, ROOT)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from pathlib import Path
-from tests.helpers import make_job
+from tests.helpers import free_port, make_job
 from tests.helpers.learner import make_groups, started
 from tandem.learner.actor import Learner
 from tandem.learner.safe_load import CheckpointWriteError
@@ -428,10 +421,7 @@ from tandem.learner.safe_load import CheckpointWriteError
 tmp = Path(TMP)
 cfg = make_job(tmp, MODEL, [f"{ROOT}/examples/rewards.py:length_reward"], model={"fast_inference": False},
                cluster={"zero_stage": 2}, batch={"per_device_train_batch_size": 4, "num_generations": 4})
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-a = started(Learner(cfg, port=port))
+a = started(Learner(cfg, port=free_port()))
 a.train(make_groups(1, 4))
 good = a.save_checkpoint(str(tmp / "ck" / "cycle-000001"))
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk

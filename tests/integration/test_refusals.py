@@ -60,6 +60,7 @@ def metrics_steps(path: Path) -> list[int]:
     return [json.loads(x)["step"] for x in path.read_text().splitlines() if x.strip()]
 
 
+@pytest.mark.alone  # what it finds in /dev/shm is every process's: no other test beside it
 def test_skipped_checkpoints_are_named_and_kept_and_none_readable_refuses_the_run(ray_session, tmp_path, tiny_model,
                                                                                  capsys, monkeypatch):
     """The newest checkpoint holds a planted pickle: the resume names it with why, sets it aside as
@@ -201,6 +202,7 @@ def shm_entries() -> set[str]:
     return {p.name for p in shm.iterdir() if p.name.startswith(("sem.mp-", "tandem-"))} if shm.is_dir() else set()
 
 
+@pytest.mark.alone  # what it finds in /dev/shm is every process's: no other test beside it
 def test_no_semaphore_or_scratch_dir_is_left_in_dev_shm(tmp_path, tiny_model):
     """`tandem run` as a user runs it (its own embedded Ray), a job whose learner fails after the rollout workers
     started: nothing is left in /dev/shm (before: the reward processes' semaphores and the engine's adapter
