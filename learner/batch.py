@@ -65,13 +65,14 @@ def collate(s: Samples, rows, advantages: torch.Tensor, *, pad_id: int, mask_tru
     if padding_free:
         return _packed(s, rows, T, advantages, pad_id=pad_id, mask_truncated=mask_truncated) | extra
     P, B = max(len(s.prompts[i]) for i in rows), len(rows)
+    # torch.tensor, not as_tensor: the rows arrive read-only from Ray's object store, which as_tensor warns of
     ids = torch.full((B, P + T), pad_id, dtype=torch.long)
     attn = torch.zeros((B, P + T), dtype=torch.long)
     for b, i in enumerate(rows):
         pr, c = s.prompts[i], s.completions[i]
-        ids[b, P - len(pr):P] = torch.as_tensor(pr, dtype=torch.long)
+        ids[b, P - len(pr):P] = torch.tensor(pr, dtype=torch.long)
         attn[b, P - len(pr):P + len(c)] = 1
-        ids[b, P:P + len(c)] = torch.as_tensor(c, dtype=torch.long)
+        ids[b, P:P + len(c)] = torch.tensor(c, dtype=torch.long)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)  # positions as an unpadded sequence (what vLLM sees)
     return {"input_ids": ids, "attention_mask": attn, "position_ids": pos,
             **_completion_tensors(s, rows, T, pad_id, mask_truncated), "advantages": advantages[rows].float()} | extra
@@ -91,10 +92,10 @@ def _completion_tensors(s: Samples, rows: list, T: int, pad_id: int, mask_trunca
     samp = torch.zeros((B, T), dtype=torch.float32)
     for b, i in enumerate(rows):
         c = s.completions[i]
-        comp[b, :len(c)] = torch.as_tensor(c, dtype=torch.long)
-        samp[b, :len(c)] = torch.as_tensor(s.sampler_logprobs[i], dtype=torch.float32)
+        comp[b, :len(c)] = torch.tensor(c, dtype=torch.long)
+        samp[b, :len(c)] = torch.tensor(s.sampler_logprobs[i], dtype=torch.float32)
         if s.trained(i, mask_truncated):
-            mask[b, :len(c)] = torch.as_tensor(s.loss_masks[i], dtype=torch.bool)
+            mask[b, :len(c)] = torch.tensor(s.loss_masks[i], dtype=torch.bool)
     return {"completion_ids": comp, "mask": mask, "sampler_logp": samp}
 
 

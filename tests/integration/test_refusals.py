@@ -173,6 +173,7 @@ def test_each_refusal_is_one_true_line(ray_session, tmp_path, tiny_model, capsys
         rc, _, err = run(capsys, job)
     finally:
         holder.kill()
+        holder.wait()
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"tandem: logging.output_dir = '{tmp_path / 'run'}': a job is already running in it (pid "
                           f"{holder.pid} on "), err
