@@ -42,11 +42,12 @@ def pytest_collection_modifyitems(config, items):
     # Integration tests after the fast unit tests, so a broken unit shows up in seconds.
     # The tests of the `ray start` head last, together and `alone` (make test runs those by themselves): they bound
     # how soon a SIGTERM saves and a wrong token is named, and the head's processes stay up until the session ends.
-    for it in items:
-        if "ray_head" in getattr(it, "fixturenames", ()):
-            it.add_marker(pytest.mark.alone)
-    items.sort(key=lambda it: (it.get_closest_marker("integration") is not None,
-                               "ray_head" in getattr(it, "fixturenames", ())))
+    def uses_head(it) -> bool:
+        return "ray_head" in getattr(it, "fixturenames", ())
+
+    for it in filter(uses_head, items):
+        it.add_marker(pytest.mark.alone)
+    items.sort(key=lambda it: (it.get_closest_marker("integration") is not None, uses_head(it)))
 
 
 @pytest.fixture(scope="session")
@@ -94,8 +95,8 @@ def ray_head():
     token = secrets.token_hex(32)
     temp = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths must stay under 108 bytes
     ports = {name: free_port() for name in ("port", "dashboard-port", "dashboard-agent-listen-port",
-                                             "dashboard-agent-grpc-port", "runtime-env-agent-port",
-                                             "ray-client-server-port", "metrics-export-port")}
+                                            "dashboard-agent-grpc-port", "runtime-env-agent-port",
+                                            "ray-client-server-port", "metrics-export-port")}
     bindir = os.path.dirname(sys.executable)
     env = dict(os.environ, PATH=bindir + os.pathsep + os.environ["PATH"], RAY_AUTH_MODE="token",
                RAY_AUTH_TOKEN=token,
