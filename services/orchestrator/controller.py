@@ -407,10 +407,12 @@ class Controller:
         return self._collect()[0]
 
     def _wait_trained(self, refs: list) -> dict:
-        ray, busy_ok = self.pool.ray, self.cfg.cluster.max_staleness > 0
+        """The learner's result; with max_staleness >= 1 groups are taken back and prompts handed out meanwhile,
+        and the training's end wakes the wait at once (the next batch may start training then)."""
+        ray, busy_ok, waiting = self.pool.ray, self.cfg.cluster.max_staleness > 0, refs
         while True:
             if busy_ok:
-                self._gather(self._wanted(training=True), timeout=0.05)
+                self._gather(self._wanted(training=True), timeout=0.05, wake=waiting)
             busy = busy_ok and self.pool.in_flight()
             done, waiting = ray.wait(refs, num_returns=len(refs), timeout=0.0 if busy else 0.5)
             ray.get(done)  # a dead rank raises now, not after the others time out at a collective
@@ -421,12 +423,13 @@ class Controller:
         return prompts_wanted(self.plan.unique_prompts, self.cfg.cluster.max_staleness, training,
                               self._batches_left())
 
-    def _gather(self, want: int, timeout: float) -> None:
-        """Keep `want` prompts buffered or in flight, take what came back within `timeout`."""
+    def _gather(self, want: int, timeout: float, wake: list = ()) -> None:
+        """Keep `want` prompts buffered or in flight, take what came back within `timeout` (or until one of `wake`
+        resolves)."""
         room = self.buffer.room(want, self.pool.in_flight())
         if room > 0:
             self.buffer.handed_out(self.pool.feed(self.source.next_item, room))
-        results, lost = self.pool.poll(timeout=timeout)
+        results, lost = self.pool.poll(timeout=timeout, wake=wake)
         self._handle_lost(lost)
         for it, meta, ref in results:
             self._accept(it, meta, ref)

@@ -181,18 +181,19 @@ class RolloutPool:
             sent += 1
         return sent
 
-    def poll(self, timeout: float | None) -> tuple[list, list]:
-        """Groups that came back within `timeout` (at least one unless it ran out):
+    def poll(self, timeout: float | None, wake: list = ()) -> tuple[list, list]:
+        """Groups that came back within `timeout` (at least one unless it ran out, or one of `wake` resolved
+        first: the caller's other work, a training, is noticed the moment it ends):
         -> ([(item, meta, group ref)], [items lost with a dead worker])."""
         self._note_waits()
         refs = [r for s in self.slots for r in s.in_flight]
         if not refs:
-            starting = [s.ready for s in self.slots if s.ready is not None]
+            starting = [s.ready for s in self.slots if s.ready is not None] + list(wake)
             if starting and timeout:  # nothing to take back: wait for a worker to serve instead of spinning
                 self.ray.wait(starting, num_returns=1, timeout=timeout)
             self._mark_ready()
             return [], []
-        done, _ = self.ray.wait(refs, num_returns=1, timeout=timeout)
+        done, _ = self.ray.wait(refs + list(wake), num_returns=1, timeout=timeout)
         more, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)  # and whatever else is ready
         done = set(done) | set(more)
         out, lost = [], []

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections import Counter
 
 import pytest
@@ -46,6 +47,39 @@ def check_accounting(ctl, n_rows):
     handed_epoch0 = {i for e, i in trained if e == 0} | {i for i, e in pending(ctl) if e == 0}
     if ctl.source.epoch > 0 or ctl.source.pos == n_rows:
         assert handed_epoch0 == set(range(n_rows)), "a prompt of epoch 0 was lost"
+
+
+def test_a_training_that_ends_wakes_the_wait_for_groups(ray_session):
+    """While the learner trains (max_staleness >= 1) the controller waits for groups and for the training at once:
+    the training's end ends the wait (RolloutPool.poll's wake), not the wait's timeout, while the learner idles."""
+    import numpy as np
+
+    from tandem.core.protocol import PromptItem
+    from tandem.services.orchestrator.rollout_pool import RolloutPool
+
+    @ray_session.remote
+    class SlowWorker:
+        def setup(self):
+            return True
+
+        def rollout(self, item):
+            time.sleep(20)
+
+    @ray_session.remote
+    def training(seconds):
+        time.sleep(seconds)
+        return "trained"
+
+    pool = RolloutPool(lambda i: (lambda a: (a, a.setup.remote()))(SlowWorker.remote()), 1, Counter())
+    pool.start(1)
+    assert pool.feed(lambda: PromptItem(group_id=0, index=0, prompt_ids=np.array([1]), prompt="p"), 1) == 1
+    t = time.time()
+    trained = training.remote(0.5)
+    assert pool.poll(timeout=15, wake=[trained]) == ([], [])
+    assert ray_session.wait([trained], timeout=0)[0] and time.time() - t < 10  # the training woke it
+    t = time.time()
+    assert pool.poll(timeout=1.0) == ([], []) and time.time() - t >= 1.0  # nothing to wake it: the timeout
+    ray_session.kill(pool.slots[0].actor)
 
 
 def test_colocated_learner_and_engine_share_one_process_and_lose_nothing(ray_session, tmp_path, tiny_model):
