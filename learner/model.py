@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 
 import torch
 
@@ -166,10 +167,21 @@ def copy_to_cpu(tensors: dict) -> dict[str, torch.Tensor]:
     return {k: out[k] for k in tensors}
 
 
-def trainable_state_dict(model) -> dict[str, torch.Tensor]:
-    """What the rollout engines load: peft adapter tensors, or all weights under HF names."""
-    if hasattr(model, "peft_config"):
-        from peft import get_peft_model_state_dict
+# Whether a peft model's adapter carries its embedding layers, per model: peft's default decides it on every call by
+# reading the base's config again (from its directory, or asking the Hub), to see whether the vocabulary was resized;
+# nothing resizes it during a run, so the first export's answer stands for the rest (a publish each cycle).
+_SAVES_EMBEDDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-        return get_peft_model_state_dict(model)
-    return model.state_dict()
+
+def trainable_state_dict(model) -> dict[str, torch.Tensor]:
+    """What the rollout engines load: peft adapter tensors (exactly peft's `get_peft_model_state_dict`), or all
+    weights under HF names."""
+    if not hasattr(model, "peft_config"):
+        return model.state_dict()
+    from peft import get_peft_model_state_dict
+
+    if model in _SAVES_EMBEDDINGS:
+        return get_peft_model_state_dict(model, save_embedding_layers=_SAVES_EMBEDDINGS[model])
+    sd = get_peft_model_state_dict(model)
+    _SAVES_EMBEDDINGS[model] = len(sd) > len(get_peft_model_state_dict(model, save_embedding_layers=False))
+    return sd

@@ -61,3 +61,37 @@ def test_copy_to_cpu_from_the_gpu_is_one_transfer_per_dtype_and_exact():
     assert list(got) == list(sd)
     for k, t in sd.items():
         assert got[k].device.type == "cpu" and got[k].dtype == t.dtype and torch.equal(got[k], t), k
+
+
+def test_the_published_adapter_is_peft_s_state_dict_and_the_base_config_is_read_once(tmp_path):
+    """Each cycle's export is exactly peft's `get_peft_model_state_dict` (with the embedding layers where LoRA
+    targets them), and after the first it no longer reads the base model's config: peft's default looks for a resized
+    vocabulary every call, and with the config gone it would warn (or ask the Hub)."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from tandem.learner.model import trainable_state_dict
+    from tandem.services.devtools.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "m", hidden=32, vocab=256)
+    for targets, embeddings in ((["q_proj", "v_proj"], False), (["q_proj", "embed_tokens"], True)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # peft's note that it saves the targeted embedding layers
+            model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=4, target_modules=targets))
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.data.normal_()  # lora_B starts at zero: trained values tell the tensors apart
+            want = get_peft_model_state_dict(model)
+            first = trainable_state_dict(model)
+        assert any(".base_layer." in k and "embed_tokens" in k for k in want) == embeddings
+        (path / "config.json").rename(path / "config.json.moved")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                again = trainable_state_dict(model)
+        finally:
+            (path / "config.json.moved").rename(path / "config.json")
+        for got in (first, again):
+            assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
