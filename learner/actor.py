@@ -222,9 +222,10 @@ class Learner:
 
     # ------------------------------------------------------------------------------- train
 
-    def train(self, groups) -> dict:
+    def train(self, groups, export: bool = False) -> dict:
         """One generation cycle: advantages, each optimizer step's forwards, old/ref log-probs, the steps, one version
-        up."""
+        up. export: rank 0's result carries the new adapter too (`adapter`: export_adapter's answer), so a publish
+        needs no second call while the learner waits for its next batch."""
         t0 = time.time()
         cfg, plan, g = self.cfg, self.plan, self.cfg.grpo
         groups = _resolve(groups)
@@ -267,7 +268,10 @@ class Learner:
             sm.update(batch_stats)
             sm["version"] = self.version
             sm["train_s"] = train_s
-        return {"version": self.version, "steps": step_metrics}
+        out = {"version": self.version, "steps": step_metrics}
+        if export and self.rank == 0:
+            out["adapter"] = self.export_adapter()
+        return out
 
     def _forwards(self, s: Samples, adv: torch.Tensor, key: tuple) -> list[dict]:
         """One optimizer step's forwards on this rank (plan micro-batches `key`), collated on the host, each with its

@@ -98,8 +98,9 @@ class LearnerGroup:
 
         return ray.get([self._method(a, method).remote(*args) for a in self.actors])
 
-    def train_async(self, groups_or_refs) -> list:
-        return [self._method(a, "train").remote(groups_or_refs) for a in self.actors]
+    def train_async(self, groups_or_refs, export: bool = False) -> list:
+        """Every rank's training; export: rank 0's result carries the new adapter (Learner.train)."""
+        return [self._method(a, "train").remote(groups_or_refs, export) for a in self.actors]
 
     def train(self, groups_or_refs) -> dict:
         """Every rank gets the same list (object refs resolve in each rank's object store)."""

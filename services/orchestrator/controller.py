@@ -110,7 +110,7 @@ class Progress:
     version: int = 0
     total_cycles: int = 0
     total_steps: int = 0
-    publish_latency_s: float = 0.0  # from the adapter's export to every worker serving it
+    publish_latency_s: float = 0.0  # from the adapter's send to every worker serving it
     training: Training | None = None  # the next cycle's batch, training ahead of it (never saved: a save drains it)
 
     def state(self) -> dict:
@@ -304,13 +304,15 @@ class Controller:
         batch = training.batch
         self.progress.cycle += 1
         with stage("publish"):
-            sent = self._send()
+            self.progress.version, adapter_ref = result["adapter"]
             saving = self.checkpoints.due([s["step"] for s in result["steps"]])
-            if ahead and trained_ahead_allowed(self.cfg.cluster.max_staleness, self._batches_left(), saving,
-                                               self._interrupted.is_set()):
-                self.progress.training = self._train_ahead()
+            ahead = ahead and trained_ahead_allowed(self.cfg.cluster.max_staleness, self._batches_left(), saving,
+                                                    self._interrupted.is_set())
+            if ahead:
+                self.progress.training = self._train_ahead()  # before the send: the learner waits for nothing
+            sent = self._send(adapter_ref)
             self._feed_ahead()
-            self._await_published(sent)
+            self._await_published(sent, train_ahead=ahead)
         steps = self._metrics(result["steps"], batch, before, stage, training.sampled)
         with stage("record"):
             saved = self._record(steps, saving)
@@ -358,7 +360,8 @@ class Controller:
         return {"dynamic_sampling/prompts_sampled": self.buffer.sampled, "dynamic_sampling/filled": filled}
 
     def _start_training(self, batch: list, sampled: dict) -> Training:
-        return Training(batch, sampled, self.learner.train_async([g for _, g in batch]))
+        """The batch to the learner, whose result brings the adapter to publish (export=True)."""
+        return Training(batch, sampled, self.learner.train_async([g for _, g in batch], True))
 
     def _train_ahead(self) -> Training | None:
         """The next batch, when its groups are buffered fresh for the version just exported, starts training now.
@@ -473,9 +476,8 @@ class Controller:
     # Publishing waits for no generation: each worker loads the adapter between two engine steps while its requests
     # run on, so every worker serves the new version before the next cycle begins (with max_staleness 0, before any
     # of its prompts goes out).
-    def _send(self) -> tuple:
-        """The learner's newest adapter to every worker. -> (what was sent, the time of the export)."""
-        self.progress.version, adapter_ref = self.learner.export_adapter()
+    def _send(self, adapter_ref) -> tuple:
+        """The adapter of version self.version to every worker. -> (what was sent, the time it was sent)."""
         return self.pool.send(self.version, adapter_ref), time.time()
 
     def _feed_ahead(self) -> None:
@@ -485,11 +487,17 @@ class Controller:
         sampled with the new version as before, no longer after the bookkeeping."""
         self._gather(self._wanted(training=self.progress.training is not None), timeout=0.0)
 
-    def _await_published(self, sent: tuple) -> None:
-        """Every worker serves the version sent; prompts a worker that died on it held are handed out again."""
-        handed, exported = sent
+    def _await_published(self, sent: tuple, train_ahead: bool = False) -> None:
+        """Every worker serves the version sent; prompts a worker that died on it held are handed out again.
+        train_ahead: meanwhile groups are taken back, and the next batch starts training the moment it is buffered."""
+        handed, sent_at = sent
+        waiting = [ref for _, ref in handed]
+        while train_ahead and self.progress.training is None and waiting:
+            self._gather(self._wanted(training=False), timeout=0.05, wake=waiting)
+            self.progress.training = self._train_ahead()
+            waiting = self.pool.ray.wait(waiting, num_returns=len(waiting), timeout=0)[1]
         self._handle_lost(self.pool.wait_published(handed))
-        self.progress.publish_latency_s = time.time() - exported
+        self.progress.publish_latency_s = time.time() - sent_at
 
     # ------------------------------------------------------------------------------ metrics
 
@@ -620,7 +628,8 @@ class Controller:
         self.counters.clear()
         self.counters.update(st["counters"])
         if self.version > 0:
-            self._await_published(self._send())
+            self.progress.version, adapter_ref = self.learner.export_adapter()
+            self._await_published(self._send(adapter_ref))
 
     @one_at_a_time
     def shutdown(self) -> None:
