@@ -200,6 +200,7 @@ def main():
     if a.cmd == "table":
         print(table(Path(a.out)))
         return
+    a.dir, a.json = e2e.use_this_checkout(a.dir, a.json)
     wl = e2e.workload(WORKLOADS, a.workload, a.set)
     paths = prepare(Path(a.dir), wl)
     if a.cmd == "prepare":

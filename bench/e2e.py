@@ -90,6 +90,25 @@ WORKLOADS["custom"] = dict(WORKLOADS["gpu"], steps=6)
 MODEL_KEYS = ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "tie", "dtype")
 
 
+def use_this_checkout(*paths: str | None) -> list[str | None]:
+    """Every process of a run imports tandem from this checkout. A job's actors import it from the working directory
+    (the job's PYTHONPATH, tandem/core/compat.py), so the run starts from ROOT; and tandem.services, .learner, .rollout
+    and .kernels must be ROOT's folders (a git worktree of another commit links them, as bench/device/e2e.sh does;
+    unlinked, an editable install of another checkout answers for them). -> `paths` made absolute first
+    (None stays)."""
+    import importlib.util
+
+    paths = [None if p is None else str(Path(p).absolute()) for p in paths]
+    os.chdir(ROOT)
+    for name in ("services", "learner", "rollout", "kernels"):
+        spec = importlib.util.find_spec(f"tandem.{name}")
+        found = Path(spec.origin).resolve().parent if spec and spec.origin else None
+        if found != (ROOT / name).resolve():
+            sys.exit(f"bench: tandem.{name} is {found}, not this checkout's {ROOT / name}; link the folders: "
+                     f"for d in services learner rollout kernels; do ln -sfn ../$d {ROOT}/tandem/$d; done")
+    return paths
+
+
 def on_gpu_machine() -> bool:
     import torch
 
@@ -903,6 +922,7 @@ def main():
         text, c = table(Path(a.out_dir), a.names.split(","), a.ceiling, a.peer)
         print(text)
         return
+    a.dir, a.json = use_this_checkout(a.dir, a.json)
     wl = workload(WORKLOADS, a.workload, a.set)
     a.dir = str(Path(a.dir) / workload_dir(a.workload, wl))
     paths = prepare(Path(a.dir), wl)
