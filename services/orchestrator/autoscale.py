@@ -10,6 +10,10 @@ from dataclasses import dataclass
 
 # the learner waited for groups longer than this share of its training time: a worker more
 GROW_WAIT_SHARE = 0.2
+# ... and longer than this: a shorter wait is the controller's own jitter (a poll, a Ray round trip), which a worker
+# more, seconds to start, would not remove (on a 2-core CPU, cycles of 30-60 ms training waited 10-20 ms at times
+# with enough workers, and the count went up and down)
+GROW_MIN_WAIT_S = 0.05
 # it waited less than this share while a whole batch of groups waited in the buffer: a worker less
 SHRINK_WAIT_SHARE = 0.05
 
@@ -32,7 +36,7 @@ def next_worker_count(n: int, lo: int, hi: int, load: CycleLoad) -> int:
     n_bounded = min(max(n, lo), hi)
     if n_bounded != n:
         return n_bounded
-    if load.wait_s > GROW_WAIT_SHARE * load.train_s and load.starting == 0:
+    if load.wait_s > max(GROW_WAIT_SHARE * load.train_s, GROW_MIN_WAIT_S) and load.starting == 0:
         return min(n + 1, hi)
     if load.wait_s < SHRINK_WAIT_SHARE * load.train_s and load.buffered >= load.batch:
         return max(n - 1, lo)

@@ -312,12 +312,12 @@ class Controller:
                 self.progress.training = self._train_ahead()  # before the send: the learner waits for nothing
             sent = self._send(adapter_ref)
             self._feed_ahead()
-            self._await_published(sent, train_ahead=ahead)
+            started = self._await_published(sent, train_ahead=ahead)
         steps = self._metrics(result["steps"], batch, before, stage, training.sampled)
         with stage("record"):
             saved = self._record(steps, saving)
             self._push()
-        self._autoscale(stage.seconds)
+        self._autoscale(stage.seconds, self.plan.unique_prompts if started else 0)
         return {"version": self.version, "steps": steps, "done": self._done(), "notices": notices(), "saved": saved}
 
     def _batches_left(self) -> int:
@@ -327,8 +327,10 @@ class Controller:
     def _done(self) -> bool:
         return self.cycle >= self.total_cycles
 
-    def _autoscale(self, t: dict) -> None:
-        load = CycleLoad(wait_s=t["collect"], train_s=t["train"], buffered=len(self.buffer),
+    def _autoscale(self, t: dict, started: int) -> None:
+        """started: the groups of a batch that started training during the publish wait, counted as buffered: they
+        were ready before the cycle ended (and would have waited in the buffer for the next cycle's collect)."""
+        load = CycleLoad(wait_s=t["collect"], train_s=t["train"], buffered=len(self.buffer) + started,
                          batch=self.plan.unique_prompts, starting=len(self.pool.starting(0)))
         if line := autoscale(self.cfg, self.pool, load, self.counters):
             say(line)
@@ -487,17 +489,20 @@ class Controller:
         sampled with the new version as before, no longer after the bookkeeping."""
         self._gather(self._wanted(training=self.progress.training is not None), timeout=0.0)
 
-    def _await_published(self, sent: tuple, train_ahead: bool = False) -> None:
+    def _await_published(self, sent: tuple, train_ahead: bool = False) -> bool:
         """Every worker serves the version sent; prompts a worker that died on it held are handed out again.
-        train_ahead: meanwhile groups are taken back, and the next batch starts training the moment it is buffered."""
+        train_ahead: meanwhile groups are taken back, and the next batch starts training the moment it is buffered.
+        -> whether it started one."""
         handed, sent_at = sent
-        waiting = [ref for _, ref in handed]
+        waiting, started = [ref for _, ref in handed], False
         while train_ahead and self.progress.training is None and waiting:
             self._gather(self._wanted(training=False), timeout=0.05, wake=waiting)
             self.progress.training = self._train_ahead()
+            started = self.progress.training is not None
             waiting = self.pool.ray.wait(waiting, num_returns=len(waiting), timeout=0)[1]
         self._handle_lost(self.pool.wait_published(handed))
         self.progress.publish_latency_s = time.time() - sent_at
+        return started
 
     # ------------------------------------------------------------------------------ metrics
 

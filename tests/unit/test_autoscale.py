@@ -4,6 +4,7 @@ import pytest
 
 from tandem.core.config import JobConfig, JobConfigError
 from tandem.services.orchestrator.autoscale import (
+    GROW_MIN_WAIT_S,
     GROW_WAIT_SHARE,
     SHRINK_WAIT_SHARE,
     CycleLoad,
@@ -21,6 +22,9 @@ def test_a_learner_waiting_for_groups_gets_a_worker_more_within_the_bound():
     assert next_worker_count(4, 1, 4, load(wait=9.0)) == 4  # at the bound
     assert next_worker_count(2, 1, 4, load(wait=GROW_WAIT_SHARE * 10 - 0.1)) == 2  # a short wait is noise
     assert next_worker_count(2, 1, 4, load(wait=9.0, starting=1)) == 2  # the last one asked for still starts
+    short = GROW_MIN_WAIT_S / 2  # half a 0.03 s training, yet jitter: no worker more
+    assert next_worker_count(2, 1, 4, load(wait=short, train=0.03)) == 2
+    assert next_worker_count(2, 1, 4, load(wait=GROW_MIN_WAIT_S + 0.01, train=0.03)) == 3
 
 
 def test_groups_waiting_for_the_learner_cost_a_worker_within_the_bound():
