@@ -252,7 +252,7 @@ def longtail_warm_up(model_dir: Path, wl: dict) -> None:
         model.gradient_checkpointing_enable()
     for _ in range(lt["sft_steps"]):
         seqs, masks = zip(*(example() for _ in range(lt["sft_batch"])))
-        loss = sft_step(model, opt, seqs, masks, tok.pad_token_id, dev, bf16=dev == "cuda")
+        loss = sft_step(model, opt, seqs, masks, tok.pad_token_id, dev, bf16=dev == "cuda", micro=4)
     model.to(getattr(torch, wl["model"]["dtype"])).save_pretrained(model_dir)
     (model_dir / "longtail.json").write_text(json.dumps({**lt, "p": p, "cap": cap, "sft_loss": float(loss),
                                                          "sft_s": time.time() - t}))
