@@ -624,7 +624,8 @@ def start_vllm_server(model: str, wl: dict, args, max_loras: int) -> subprocess.
     still name (TRL refuses fewer: max_staleness + 2), its share of the one GPU (the trainer is beside it)."""
     import urllib.request
 
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="1")
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="1",
+               VLLM_USE_FLASHINFER_SAMPLER="0")  # flashinfer is not among the GPU wheels (as bench/plateau.py)
     max_len = model_len(wl)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(TRL_ASYNC_PORT),
            "--dtype", wl["model"]["dtype"], "--gpu-memory-utilization", str(args.vllm_memory or TRL_VLLM_MEMORY),
