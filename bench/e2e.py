@@ -120,7 +120,8 @@ def on_gpu(workload: str) -> bool:
 
 
 # Tandem's candidates: max_staleness, cluster.vllm_mode, model.fast_inference
-TANDEM = {"tandem_k0": (0, "server", True), "tandem_k1": (1, "server", True),
+# tandem_k4: the bound TRL's AsyncGRPOTrainer runs at by default (TRL_ASYNC_STALENESS), a row beside trl_async
+TANDEM = {"tandem_k0": (0, "server", True), "tandem_k1": (1, "server", True), "tandem_k4": (4, "server", True),
           "tandem_k0_colocate": (0, "colocate", True), "tandem_k1_colocate": (1, "colocate", True),
           "tandem_k0_generate": (0, "server", False), "tandem_k1_generate": (1, "server", False)}
 # the same job on two Ray nodes of this machine (run_tandem_nodes): max_staleness
@@ -915,7 +916,7 @@ def main():
     r.add_argument("--set", action="extend", nargs="+", default=[], help="workload key=value ... (e.g. prompts=8)")
     t = sub.add_parser("table")
     t.add_argument("out_dir")
-    t.add_argument("--names", default="tandem_k0,tandem_k1,vllm_ceiling,vllm_merged,trl_colocate,trl_async")
+    t.add_argument("--names", default="tandem_k0,tandem_k1,tandem_k4,vllm_ceiling,vllm_merged,trl_colocate,trl_async")
     t.add_argument("--ceiling", default="vllm_ceiling")
     t.add_argument("--peer", default="trl_colocate")
     a = ap.parse_args()
