@@ -141,7 +141,7 @@ def tandem_job(paths, wl, k, args):
         "generation": {"temperature": 1.0, "max_prompt_length": 768, "max_completion_length": wl["max_tokens"],
                        "max_tool_calling_iterations": wl["max_iterations"]},
         "batch": {"per_device_train_batch_size": wl["per_device"], "gradient_accumulation_steps": wl["ga"],
-                  "num_generations": wl["num_generations"], "max_steps": wl["steps"] + wl["warmup"]},
+                  "num_generations": wl["num_generations"], "max_steps": wl["steps"] + wl["warmup"] + e2e.END_STEPS},
         "grpo": {"loss_type": "dapo", "beta": 0.0},
         "optimizer": {"learning_rate": wl["lr"], "lr_scheduler_type": "constant"},
         "cluster": {"num_rollout_workers": 1, "max_staleness": k,

@@ -127,6 +127,12 @@ TANDEM = {"tandem_k0": (0, "server", True), "tandem_k1": (1, "server", True), "t
 # the same job on two Ray nodes of this machine (run_tandem_nodes): max_staleness
 TANDEM_NODES = {"tandem_k1_nodes": 1}
 TRL_VLLM_MEMORY = 0.3  # GRPOConfig's vllm_gpu_memory_utilization
+# Tandem's run goes one step past the measured ones: at max_staleness >= 1 the run's last batch waits for the slowest
+# completions of every prompt still out (each one handed out is trained: none is dropped at the end), where in a long
+# run the batches take the groups that finished first. A run does that once; measured over a few steps it would weigh
+# as one step in four (the 1.5B long tail's last steps ran 13.6-21.3 s against 4-8 s before). Its time is reported
+# (end_step_s), not averaged in; TRL's trainers stop without waiting for what they have not trained.
+END_STEPS = 1
 KEYS = ("s_per_step", "gen_s_per_step", "train_s_per_step", "completions_per_s", "gen_tokens_per_s",
         "gpu_busy_frac", "peak_gpu_gib", "publish_latency_s")
 
@@ -340,7 +346,7 @@ def tandem_config(paths, wl, k, args, mode="server", vllm=True):
         "data": {"path": paths["data"], "shuffle": not in_order(wl)}, "rewards": [REWARD],
         "generation": {"temperature": 1.0, "max_prompt_length": 64, "max_completion_length": wl["max_tokens"]},
         "batch": {"per_device_train_batch_size": wl["per_device"], "gradient_accumulation_steps": wl["ga"],
-                  "num_generations": wl["num_generations"], "max_steps": wl["steps"] + wl["warmup"]},
+                  "num_generations": wl["num_generations"], "max_steps": wl["steps"] + wl["warmup"] + END_STEPS},
         "grpo": {"loss_type": "dapo", "beta": 0.0},
         "optimizer": {"learning_rate": wl["lr"], "lr_scheduler_type": "constant"},
         "cluster": {"num_rollout_workers": 1, "max_staleness": k, "vllm_mode": mode,
@@ -399,7 +405,7 @@ def actor_nodes(ray, ctl) -> dict:
 
 def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
     """A Tandem job run as `tandem run` runs it (embedded Ray, or the cluster at `address`; its controller), timed
-    after the warm-up steps."""
+    after the warm-up steps and up to the run's end (END_STEPS)."""
     from tandem.services.app.run import start_controller, start_ray
 
     shutil.rmtree(cfg.logging.output_dir, ignore_errors=True)
@@ -420,6 +426,11 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
     wall = time.time() - t_meas
     cores = cpu()
     gpu_stats = stop() if stop else {}
+    end_step_s = []  # the run's end, past the measured steps (END_STEPS)
+    for _ in range(cfg.batch.max_steps - wl["warmup"] - wl["steps"]):
+        t_step = time.time()
+        ray.get(ctl.step.remote())
+        end_step_s.append(time.time() - t_step)
     ray.get(ctl.shutdown.remote())
     ray.kill(ctl)
     if address is None:
@@ -431,6 +442,7 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
     per_step = wall / len(rows)
     out = {
         "s_per_step": per_step, "s_per_step_median": statistics.median(step_s), "step_s": step_s,
+        "end_step_s": end_step_s,
         "gen_s_per_step": med("rollout_busy_s"), "train_s_per_step": med("train_s"),
         "completions_per_s": wl["prompts"] * wl["num_generations"] * len(rows) / wall,
         # completion tokens trained a second, as the peers' rows count theirs (mean length x completions over the
