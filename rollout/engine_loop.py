@@ -8,10 +8,13 @@ Commands:
                          episode's end releases it)
   Release(v)             an episode on version v has ended
   LoadVersion(v, ...)    serve policy version v from now on (an adapter or full weights)
+  TrainableFrom(v)       no training will take a group sampled before version v (the controller took the batch
+                         that was the last one able to): training requests on older versions stop now
   STOP                   end the loop
 
 A request can no longer become a trainable group once the newest version published (loaded, or waiting to load)
-is more than max_staleness ahead of the one it samples with: an engine that can stop a request mid-sampling
+is more than max_staleness ahead of the one it samples with, or once the controller says so (TrainableFrom: it
+took the last batch that could hold it, a training earlier than that publish): an engine that can stop a request mid-sampling
 (`Engine.can_abort`) stops it at the next turn and fails it with StaleRequest, so that its sequences stop taking
 the engine's steps (a long completion at a small max_staleness would otherwise run to its end only to be dropped).
 Only a training group's request is stopped (`Request.stoppable`); an evaluation's runs to its end, and so does one
@@ -52,11 +55,12 @@ ARRIVAL_GAP_S = 0.005
 
 
 class StaleRequest(Exception):
-    """A request stopped mid-sampling: its version fell more than max_staleness behind the newest published."""
+    """A request stopped mid-sampling: no training can take it any more (its version fell more than max_staleness
+    behind the newest published, or before the oldest one the controller's next batches may take)."""
 
-    def __init__(self, version: int, newest: int, max_staleness: int):
-        super().__init__(f"sampled with policy version {version}, {newest - version} behind the newest published "
-                         f"({newest}; max_staleness {max_staleness}): stopped, to be sampled again")
+    def __init__(self, version: int, trainable_from: int, max_staleness: int):
+        super().__init__(f"sampled with policy version {version}; the next trainings take groups of version "
+                         f"{trainable_from} or newer (max_staleness {max_staleness}): stopped, to be sampled again")
         self.version = version
 
 
@@ -111,6 +115,11 @@ class Release:
 
 
 @dataclass
+class TrainableFrom:
+    version: int
+
+
+@dataclass
 class LoadVersion:
     version: int
     tensors: dict
@@ -130,6 +139,7 @@ class EngineLoop:
         self.lora = lora  # versions are adapters (else full weights)
         self.max_staleness = max_staleness
         self.version = 0
+        self.trainable_from = 0  # the oldest version a training may still take (TrainableFrom)
         self.engine: Engine | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -172,6 +182,8 @@ class EngineLoop:
         for cmd in commands:
             if cmd is STOP:
                 self._stop.set()  # this turn ends what it has begun; no next turn
+            elif isinstance(cmd, TrainableFrom):  # loads nothing: never waits behind a held load
+                self.trainable_from = max(self.trainable_from, cmd.version)
             elif self._held and not continues_episode(cmd):
                 self._held.append(cmd)  # behind a load that waits: the order is kept
             elif isinstance(cmd, Release):
@@ -195,12 +207,13 @@ class EngineLoop:
         if self.max_staleness is None or not self.engine.can_abort or not self._running:
             return
         newest = max([self.version] + [c.version for c in self._held if isinstance(c, LoadVersion)])
+        oldest = max(newest - self.max_staleness, self.trainable_from)
         for key, req in list(self._running.items()):
-            if req.stoppable and newest - req.version > self.max_staleness and req.hold == 0 and req.pin is None:
+            if req.stoppable and req.version < oldest and req.hold == 0 and req.pin is None:
                 self.engine.abort(key)
                 del self._running[key]
                 self._in_use[req.version] -= 1
-                req.fail(StaleRequest(req.version, newest, self.max_staleness))
+                req.fail(StaleRequest(req.version, oldest, self.max_staleness))
 
     def _drain_inbox(self) -> list:
         out = []

@@ -32,7 +32,7 @@ from tandem.core.protocol import (
     pack_completions,
 )
 from tandem.core.shaping import is_informative, overlong_penalty
-from tandem.rollout.engine_loop import EngineLoop, LoadVersion, Request, Sample, StaleRequest
+from tandem.rollout.engine_loop import EngineLoop, LoadVersion, Request, Sample, StaleRequest, TrainableFrom
 from tandem.rollout.engines.base import Completion, Sampling
 from tandem.rollout.episodes import (
     EnvironmentResetError,
@@ -182,6 +182,12 @@ class RolloutWorker:
         if cmd.error is not None:
             raise cmd.error
         return self.version
+
+    def trainable_from(self, version: int) -> None:
+        """No training will take a group sampled before `version`: training requests on older ones stop at the
+        engine's next step (rollout/engine_loop.py), without waiting for the publish that would stop them."""
+        self._await_ready()
+        self.loop.submit(TrainableFrom(version))
 
     def _sample(self, items: list[PromptItem], sampling: Sampling, training: bool = False
                 ) -> list[Sampled | RolloutFailure]:

@@ -362,7 +362,12 @@ class Controller:
         return {"dynamic_sampling/prompts_sampled": self.buffer.sampled, "dynamic_sampling/filled": filled}
 
     def _start_training(self, batch: list, sampled: dict) -> Training:
-        """The batch to the learner, whose result brings the adapter to publish (export=True)."""
+        """The batch to the learner, whose result brings the adapter to publish (export=True). The batches after it
+        train at version + 1 or later: a request sampled before version + 1 - max_staleness is stopped now, not when
+        that version is published (its sequences would take the engine's steps for the whole training)."""
+        k = self.cfg.cluster.max_staleness
+        if k >= 1:
+            self.pool.trainable_from(self.version + 1 - k)
         return Training(batch, sampled, self.learner.train_async([g for _, g in batch], True))
 
     def _train_ahead(self) -> Training | None:

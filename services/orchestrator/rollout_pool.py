@@ -217,6 +217,12 @@ class RolloutPool:
                 out.append((item, meta, group))
         return out, lost
 
+    def trainable_from(self, version: int) -> None:
+        """Every serving worker told that no training will take a group sampled before `version` (not waited for:
+        a worker that misses it stops those requests at the next publish instead)."""
+        for actor in self.serving():
+            actor.trainable_from.remote(version)
+
     # ----------------------------------------------------------------------------- publishing
 
     def send(self, version: int, adapter_ref) -> list:

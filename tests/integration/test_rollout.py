@@ -257,7 +257,7 @@ def test_publishing_and_a_running_request(ray_session, hf, tiny_model, tmp_path,
     the request to end. Either way the running request finishes on the version it started with (all its
     log-probs the base model's: weights swapped mid-request would give the adapter's for the rest), the
     next one samples with the new adapter as transformers does. A training group's request that a publish leaves
-    past max_staleness is stopped."""
+    past max_staleness is stopped, and so is one the controller says no training will take (trainable_from)."""
     job = make_job(tmp_path, tiny_model, [REWARD], generation={"max_completion_length": 900, "max_prompt_length": 64},
                    batch={"num_generations": 8, "per_device_train_batch_size": 8},
                    cluster={"vllm_merge_adapter": merged})
@@ -300,6 +300,14 @@ def test_publishing_and_a_running_request(ray_session, hf, tiny_model, tmp_path,
     meta = ray_session.get(doomed, timeout=20)
     assert meta["stale_version"] == 2 and "max_staleness 0" in meta["failure"], meta
     assert ray_session.get(w.stats.remote())["stopped_stale"] == 1
+    # the controller's word that no training will take a group of version 3 (it took the last batch that could)
+    # stops one at once, with no publish
+    doomed, _ = w.rollout.options(num_returns=2).remote(it[0])
+    time.sleep(0.3)
+    w.trainable_from.remote(4)
+    meta = ray_session.get(doomed, timeout=20)
+    assert meta["stale_version"] == 3 and "version 4 or newer" in meta["failure"], meta
+    assert ray_session.get(w.stats.remote())["stopped_stale"] == 2
     assert ray_session.get(w.generate.remote([it[1]], Sampling(n=2, max_tokens=8)))[0].version == 3
     ray_session.get(w.shutdown.remote())
     ray_session.kill(w)

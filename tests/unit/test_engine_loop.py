@@ -271,3 +271,34 @@ def test_a_training_request_that_can_no_longer_be_trained_is_stopped_and_nothing
     loop.stop()
     t.join(5)
     assert not any(e == ("abort", 1) for e in eng.events)
+
+
+def test_trainable_from_stops_the_training_requests_of_older_versions_without_a_load():
+    """max_staleness 1, v1 served: the controller takes the batch that was the last able to hold v0's groups
+    (TrainableFrom(1)); the training request on v0 stops at once though no newer version is published, the one on
+    v1 and an evaluation's on v0 run on."""
+    from tandem.rollout.engine_loop import StaleRequest, TrainableFrom
+
+    eng = AbortingEngine(steps=10**9)
+    loop = EngineLoop(lora=True, max_staleness=1)
+    t = threading.Thread(target=loop.run, args=(eng,), daemon=True)
+    t.start()
+    old = Request(np.array([1, 2], np.int32), SAMPLING, stoppable=True)
+    evaluation = Request(np.array([3], np.int32), SAMPLING)
+    loop.submit(Sample(old))
+    loop.submit(Sample(evaluation))
+    while sum(e[0] == "add" for e in eng.events) < 2:
+        pass
+    load(loop, 1)
+    new = Request(np.array([4], np.int32), SAMPLING, min_version=1, stoppable=True)
+    loop.submit(Sample(new))
+    while sum(e[0] == "add" for e in eng.events) < 3:
+        pass
+    assert not old.done.wait(0.2), "one version behind, within max_staleness 1: runs on until told"
+    loop.submit(TrainableFrom(1))
+    finish(old)
+    assert isinstance(old.error, StaleRequest) and old.error.version == 0 and "version 1 or newer" in str(old.error)
+    assert not new.done.wait(0.2) and not evaluation.done.is_set() and loop.version == 1
+    loop.stop()
+    t.join(5)
+    assert [e for e in eng.events if e[0] == "abort"] == [("abort", 0)]
