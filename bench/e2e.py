@@ -403,23 +403,37 @@ def actor_nodes(ray, ctl) -> dict:
     return ray.get(ctl.__ray_call__.remote(ask))
 
 
+def engine_start_s(ray, ctl) -> list:
+    """Each rollout worker's engine build, in seconds (its stats)."""
+    def ask(self):
+        import ray
+
+        return [s["engine_start_s"] for s in ray.get([w.stats.remote() for w in self.workers])]
+    return ray.get(ctl.__ray_call__.remote(ask))
+
+
 def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
     """A Tandem job run as `tandem run` runs it (embedded Ray, or the cluster at `address`; its controller), timed
-    after the warm-up steps and up to the run's end (END_STEPS)."""
+    after the warm-up steps and up to the run's end (END_STEPS). `start_s` says where the time to the first step
+    went: the workload's preparation, the actors' start, the first (warm-up) step, each engine's build."""
     from tandem.services.app.run import start_controller, start_ray
 
+    t_enter = time.time()
     shutil.rmtree(cfg.logging.output_dir, ignore_errors=True)
     ray = start_ray(address, cfg)
     pss = PeakPSS() if not gpu else None
     ctl = start_controller(ray, cfg)
     placed = actor_nodes(ray, ctl)
+    start_s = {"prepare": t_enter - T0, "actors": time.time() - t_enter}
     rows, first_step_s, stop, cpu, step_s = [], None, None, None, []
     for i in range(wl["warmup"] + wl["steps"]):
         if i == wl["warmup"]:
             stop, cpu, t_meas = gpu_sampler(), cpu_busy_sampler(), time.time()
         t_step = time.time()
         r = ray.get(ctl.step.remote())
-        first_step_s = first_step_s or time.time() - T0
+        if first_step_s is None:
+            first_step_s, start_s["first_step"] = time.time() - T0, time.time() - t_step
+            start_s["engines"] = engine_start_s(ray, ctl)
         if i >= wl["warmup"]:
             rows += r["steps"]
             step_s.append(time.time() - t_step)
@@ -456,6 +470,7 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
         "stale_dropped": top("count/stale_dropped"),  # groups sampled and dropped past max_staleness
         "rollout_busy_frac": med("rollout/busy_frac"), "learner_mfu": med("learner/mfu"),
         "learner_tokens_per_s": med("learner/tokens_per_s"), "launch_to_first_step_s": first_step_s,
+        "start_s": start_s,
         "cores_busy": sum(c > 50 for c in cores), "reward_first": rows[0]["reward"], "reward_last": rows[-1]["reward"],
         "turns_per_episode": med("episodes/turns_mean"), "tool_calls_per_episode": med("tools/call_frequency"),
         "completion_length_p50": med("completion_length_p50"), "completion_length_p95": med("completion_length_p95"),
@@ -955,7 +970,7 @@ def main():
                cuda_mps="CUDA_MPS_PIPE_DIRECTORY" in os.environ)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(res, indent=1))
-    print(json.dumps({k: res.get(k) for k in KEYS + ("launch_to_first_step_s", "pss_gb", "rollout_busy_frac",
+    print(json.dumps({k: res.get(k) for k in KEYS + ("launch_to_first_step_s", "start_s", "pss_gb", "rollout_busy_frac",
                                                        "learner_mfu", "reward_first", "reward_last")}), flush=True)
 
 
