@@ -240,13 +240,9 @@ class AbortingEngine(ScriptedEngine):
         del self.left[key]
 
 
-@pytest.mark.parametrize("one_version", [False, True])
-def test_a_training_request_that_can_no_longer_be_trained_is_stopped_and_nothing_else(one_version):
-    """max_staleness 1: a training group's request on v0 runs on while v1 loads, and is stopped (StaleRequest, the
-    engine told to abort it) once v2 is published; an evaluation's request on v0 runs to its end. An engine serving
-    one version stops it as soon as v2 waits to load (which then loads without waiting for it)."""
-    from tandem.rollout.engine_loop import StaleRequest
-
+def training_and_evaluation_running(one_version: bool):
+    """A loop at max_staleness 1 on an engine that can abort, a training group's request and an evaluation's running
+    on v0, their sequences never ending by themselves. -> (engine, loop, its thread, training, evaluation)."""
     eng = AbortingEngine(steps=10**9, serves_one_version=one_version)
     loop = EngineLoop(lora=True, max_staleness=1)
     t = threading.Thread(target=loop.run, args=(eng,), daemon=True)
@@ -257,6 +253,17 @@ def test_a_training_request_that_can_no_longer_be_trained_is_stopped_and_nothing
     loop.submit(Sample(evaluation))
     while sum(e[0] == "add" for e in eng.events) < 2:
         pass
+    return eng, loop, t, train, evaluation
+
+
+@pytest.mark.parametrize("one_version", [False, True])
+def test_a_training_request_that_can_no_longer_be_trained_is_stopped_and_nothing_else(one_version):
+    """max_staleness 1: a training group's request on v0 runs on while v1 loads, and is stopped (StaleRequest, the
+    engine told to abort it) once v2 is published; an evaluation's request on v0 runs to its end. An engine serving
+    one version stops it as soon as v2 waits to load (which then loads without waiting for it)."""
+    from tandem.rollout.engine_loop import StaleRequest
+
+    eng, loop, t, train, evaluation = training_and_evaluation_running(one_version)
     if not one_version:
         load(loop, 1)
         assert not train.done.wait(0.2), "stopped one version behind, within max_staleness 1"
@@ -279,16 +286,7 @@ def test_trainable_from_stops_the_training_requests_of_older_versions_without_a_
     v1 and an evaluation's on v0 run on."""
     from tandem.rollout.engine_loop import StaleRequest, TrainableFrom
 
-    eng = AbortingEngine(steps=10**9)
-    loop = EngineLoop(lora=True, max_staleness=1)
-    t = threading.Thread(target=loop.run, args=(eng,), daemon=True)
-    t.start()
-    old = Request(np.array([1, 2], np.int32), SAMPLING, stoppable=True)
-    evaluation = Request(np.array([3], np.int32), SAMPLING)
-    loop.submit(Sample(old))
-    loop.submit(Sample(evaluation))
-    while sum(e[0] == "add" for e in eng.events) < 2:
-        pass
+    eng, loop, t, old, evaluation = training_and_evaluation_running(one_version=False)
     load(loop, 1)
     new = Request(np.array([4], np.int32), SAMPLING, min_version=1, stoppable=True)
     loop.submit(Sample(new))
