@@ -14,8 +14,8 @@ Commands:
 
 A request can no longer become a trainable group once the newest version published (loaded, or waiting to load)
 is more than max_staleness ahead of the one it samples with, or once the controller says so (TrainableFrom: it
-took the last batch that could hold it, a training earlier than that publish): an engine that can stop a request mid-sampling
-(`Engine.can_abort`) stops it at the next turn and fails it with StaleRequest, so that its sequences stop taking
+took the last batch that could hold it, a training before that publish): an engine that can stop a request
+mid-sampling (`Engine.can_abort`) stops it at the next turn and fails it with StaleRequest, so that its sequences stop taking
 the engine's steps (a long completion at a small max_staleness would otherwise run to its end only to be dropped).
 Only a training group's request is stopped (`Request.stoppable`); an evaluation's runs to its end, and so does one
 an episode holds its version for, or a later turn pinned to one: the episode is one unit.

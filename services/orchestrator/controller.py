@@ -365,10 +365,10 @@ class Controller:
         """The batch to the learner, whose result brings the adapter to publish (export=True). The batches after it
         train at version + 1 or later: a request sampled before version + 1 - max_staleness is stopped now, not when
         that version is published (its sequences would take the engine's steps for the whole training)."""
-        k = self.cfg.cluster.max_staleness
-        if k >= 1:
+        training = Training(batch, sampled, self.learner.train_async([g for _, g in batch], True))
+        if (k := self.cfg.cluster.max_staleness) >= 1:  # after the learner's call: it waits for nothing of this
             self.pool.trainable_from(self.version + 1 - k)
-        return Training(batch, sampled, self.learner.train_async([g for _, g in batch], True))
+        return training
 
     def _train_ahead(self) -> Training | None:
         """The next batch, when its groups are buffered fresh for the version just exported, starts training now.
