@@ -43,6 +43,7 @@ from tandem.learner.model import (
 )
 from tandem.learner.non_finite import describe, non_finite_input
 from tandem.learner.overflow import check_in_one_readback
+from tandem.learner.process_group import join_process_group, open_store
 from tandem.learner.safe_load import refuse_pickles
 
 
@@ -98,13 +99,14 @@ class Learner:
     builds the DeepSpeed engine; then `train` per cycle, `export_adapter`, `save_checkpoint` /
     `load_checkpoint`; the actor is killed at the end (no cleanup beyond the process)."""
 
-    def __init__(self, cfg, rank: int = 0, world: int = 1, master: str = "127.0.0.1", port: int = 29500,
-                 total_steps: int = 1000, optimizer=None, probe: str | None = None):
+    def __init__(self, cfg, rank: int = 0, world: int = 1, total_steps: int = 1000, optimizer=None,
+                 probe: str | None = None):
         """`optimizer`: optional callable(params) -> torch optimizer replacing AdamW (tests use SGD,
         whose update shows any gradient scaling that Adam's normalisation would hide). `probe`: a file the
         controller wrote under output_dir; setup() refuses to start if this rank cannot read it."""
         self.cfg, self.rank, self.world = cfg, rank, world
-        self.launch = Launch(master, port, total_steps, optimizer, probe)
+        self.launch = Launch(total_steps, optimizer, probe)
+        self.store = None  # rank 0's rendezvous store, from rendezvous() to setup()
         self.plan = BatchPlan.from_config(cfg)
         self.version = 0
         self.steps = 0
@@ -125,16 +127,26 @@ class Learner:
         return {"rank": self.rank, "node": ray.get_runtime_context().get_node_id(),
                 "gpus": [str(g) for g in ray.get_gpu_ids()]}
 
-    def setup(self) -> int:
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0, before any rank's setup(): opens the group's store on this node. -> (this node's address, the
+        store's port), which every rank's setup() takes."""
+        import ray
+
+        self.store, port = open_store(self.world)
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, address: tuple[str, int] | None = None) -> int:
+        """`address`: rank 0's rendezvous(); None for a group of one rank."""
         cfg = self.cfg
         raise_on_node(f"learner rank {self.rank}", [model_error(cfg)])
         check_learner_device(cfg)
         launch = self.launch
         check_shared_dir(cfg.logging.output_dir, launch.probe, f"learner rank {self.rank}")
-        set_distributed_env(self.rank, self.world, launch.master, launch.port)
+        set_distributed_env(self.rank, self.world)
         before_deepspeed_init()
         import deepspeed
 
+        join_process_group(self.rank, self.world, address, self.store)
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
         torch.manual_seed(cfg.seed)
         model = load_policy(cfg)

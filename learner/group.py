@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 import functools
-import socket
 
 from tandem.core.compat import learner_env_vars
 from tandem.core.protocol import errors_as_text
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))  # probed on loopback: nothing is exposed while we look
-        return s.getsockname()[1]
 
 
 def learner_actor_class(cfg, cls):
@@ -26,7 +19,7 @@ def learner_actor_class(cfg, cls):
 
 # the learner's remote interface, declared once: what LearnerGroup calls on a rank, forwarded to the Learner by
 # LearnerActor and by the colocated actor (services/orchestrator/colocated.py, each as learner_<name>)
-LEARNER_METHODS = ("placement", "setup", "train", "export_adapter", "save_checkpoint", "load_checkpoint",
+LEARNER_METHODS = ("placement", "rendezvous", "setup", "train", "export_adapter", "save_checkpoint", "load_checkpoint",
                    "trainable_parameters")
 
 
@@ -68,16 +61,15 @@ class LearnerGroup:
         wait=False: then `ready()` does (the rollout workers start meanwhile). actor_class: a Ray actor
         class built from the Learner's arguments whose LEARNER_METHODS are named prefix + method (the
         colocated rollout worker, cluster.vllm_mode colocate); None: LearnerActor."""
-        import ray
 
         n = cfg.cluster.num_processes
         cls = actor_class or learner_actor_class(cfg, LearnerActor)
         self._prefix = prefix
-        master = ray.util.get_node_ip_address()
-        port = _free_port()
-        self.actors = [cls.remote(cfg, rank, n, master, port, total_steps, optimizer, probe) for rank in range(n)]
+        self.actors = [cls.remote(cfg, rank, n, total_steps, optimizer, probe) for rank in range(n)]
         self._placed = [self._method(a, "placement").remote() for a in self.actors]
-        self._setup = [self._method(a, "setup").remote() for a in self.actors]
+        # rank 0 opens the group's store on its own node; Ray hands each setup the address once it exists
+        address = self._method(self.actors[0], "rendezvous").remote()
+        self._setup = [self._method(a, "setup").remote(address) for a in self.actors]
         self._cfg = cfg
         if wait:
             self.ready()

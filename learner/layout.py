@@ -15,8 +15,6 @@ from tandem.core.engine_memory import head_dim
 class Launch:
     """A rank's arguments, kept from the constructor to setup (torchtune's lifecycle: the actor is built cheaply,
     setup() does the work)."""
-    master: str
-    port: int
     total_steps: int
     optimizer: object  # callable(params) -> torch optimizer replacing AdamW (tests' SGD), or None
     probe: str | None  # a file the controller wrote under output_dir: setup() refuses a rank that cannot read it

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port
+from tandem.services.devtools.local_nodes import free_port
 
 # Kernels run through Triton's interpreter on CPU (must be set before triton is imported).
 os.environ.setdefault("TRITON_INTERPRET", "1")

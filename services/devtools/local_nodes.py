@@ -20,7 +20,30 @@ RAY = os.path.join(BINDIR, "ray") if os.path.exists(os.path.join(BINDIR, "ray"))
     f"{sys.executable} -m ray.scripts.scripts"
 
 
+def ephemeral_ports() -> range:
+    """The ports the kernel gives outgoing connections and bind(0) (Linux: 32768-60999 unless set otherwise)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
 def free_port() -> int:
+    """A TCP port nobody listens on now, for a listener that starts later (a Ray node's, a test's server). Drawn above
+    the ephemeral range where there is room: a port from inside it (a probe socket bound to port 0) may go to any
+    process's outgoing connection before the listener binds it, which then fails with EADDRINUSE."""
+    import random
+
+    above = range(ephemeral_ports().stop, 65536)
+    for _ in range(100) if len(above) >= 1000 else ():
+        port = random.choice(above)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -103,8 +126,8 @@ def start_node(gcs: str, env: dict, resources: dict, num_cpus: int, hide: list[P
     import tempfile
 
     # a block of its own between a head's default worker ports (10002-19999) and Linux's ephemeral range
-    # (32768-60999), where free_port's ports for the node's other components lie: a block drawn from that range once
-    # held the node's own dashboard agent port
+    # (32768-60999): clear of free_port's ports for the node's other components (above that range) and of every
+    # outgoing connection's
     low = random.randrange(20000, 32700, 100)
     temp = tempfile.mkdtemp(prefix="ray")  # its own: two nodes in one session directory share socket names
     ray_start = (f"exec {RAY} start --address={gcs} --block --num-cpus={num_cpus} --temp-dir={temp} "

@@ -49,7 +49,7 @@ class ColocatedWorker(RolloutWorker):
             print(f"ColocatedWorker: engine stream priority {current_stream().priority}", flush=True)
         super()._run()
 
-    def learner_setup(self) -> int:
+    def learner_setup(self, address=None) -> int:
         # after the engine: vLLM and DeepSpeed each set up torch.distributed's default group if none exists,
         # and two threads doing it at once collide (one process group of world size 1 serves both)
         self._await_ready()
@@ -58,7 +58,7 @@ class ColocatedWorker(RolloutWorker):
         if torch.cuda.is_available():
             self._learner_stream = torch.cuda.Stream()  # non-blocking: no implicit wait on the engine's
         with self._on_learner_stream():
-            return self._learner.setup()
+            return self._learner.setup(address)
 
     @contextlib.contextmanager
     def _on_learner_stream(self):

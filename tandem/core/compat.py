@@ -152,15 +152,15 @@ def _no_tokenizer(path: str, why: str):
                           "its tokenizer files (tokenizer.json or tokenizer_config.json)")
 
 
-def set_distributed_env(rank: int, world: int, master: str, port: int) -> None:
-    """torch.distributed's env:// rendezvous, which deepspeed.init_distributed reads. One learner rank per
-    Ray actor, so each actor's own process environment. On CUDA each actor sees its GPU(s) as ordinal
-    0.. (Ray sets CUDA_VISIBLE_DEVICES), so LOCAL_RANK is the rank only when a node hosts several."""
+def set_distributed_env(rank: int, world: int) -> None:
+    """The rank's place, as DeepSpeed reads it from the environment (its device from LOCAL_RANK); the rendezvous
+    itself is learner/process_group's. One learner rank per Ray actor, so each actor's own process environment.
+    On CUDA each actor sees its GPU(s) as ordinal 0.. (Ray sets CUDA_VISIBLE_DEVICES), so LOCAL_RANK is the rank
+    only when a node hosts several."""
     import torch
 
     local = str(rank) if torch.cuda.is_available() and torch.cuda.device_count() > rank else "0"
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": local,
-                       "MASTER_ADDR": master, "MASTER_PORT": str(port)})
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": local})
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
 
 

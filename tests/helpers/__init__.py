@@ -25,15 +25,6 @@ def make_job(tmp_path, model_path, rewards, **sections):
     return JobConfig.from_dict(d)
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on now (tests run two at a time: no fixed ports)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def unmapped_semaphores() -> set[str]:
     """The POSIX semaphores multiprocessing made (/dev/shm/sem.mp-*) that no live process maps: left behind by one
     that ended without unlinking them."""

@@ -1,6 +1,6 @@
 """A job on a Ray cluster of three nodes on this machine (ray.cluster_utils.Cluster, what Ray's own tests use): the
-head holds the controller and the learner (a `learner` resource), two nodes with a `rollout` resource hold one rollout
-worker each. After the second cycle one rollout node is removed, while groups it scored wait in its object store (they
+head holds the controller, a node with a `learner` resource the learner (its rendezvous on that node, not the
+driver's), two nodes with a `rollout` resource hold one rollout worker each. After the second cycle one rollout node is removed, while groups it scored wait in its object store (they
 are kept out of the owner's memory: max_direct_call_object_size). Run by tests/integration/test_nodes.py in a process
 of its own (one Ray per process); prints one JSON line of what happened.
 
@@ -24,7 +24,8 @@ def main(run_dir: str, model: str) -> None:
     rollout_pool.WAIT_NOTE_S = 2.0  # the line every 10 s, sooner
 
     cluster = Cluster(initialize_head=True, head_node_args={  # groups live where they were scored, not in the owner
-        "num_cpus": 2, "resources": {"learner": 1}, "_system_config": {"max_direct_call_object_size": 256}})
+        "num_cpus": 2, "_system_config": {"max_direct_call_object_size": 256}})
+    learner_node = cluster.add_node(num_cpus=1, resources={"learner": 1})
     rollout_nodes = [cluster.add_node(num_cpus=1, resources={"rollout": 1}) for _ in range(2)]
     ray.init(address=cluster.address)
     tmp = Path(run_dir)
@@ -41,6 +42,7 @@ def main(run_dir: str, model: str) -> None:
     nodes_of = {}
     for w in ctl.workers:
         nodes_of[ray.get(w.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))] = w
+    learner_nodes = {p["node"] for p in ray.get(ctl.learner._placed)}
     steps, removed_at = [], None
     while True:
         r = ctl.step()
@@ -68,6 +70,7 @@ def main(run_dir: str, model: str) -> None:
     out = {"lags": lags, "accounting": accounting, "pending": len(ctl.pool.pending_items()) + len(ctl.buffer.pending()),"steps": steps, "trained": len(trained), "distinct": len(set(trained)), "counters": dict(ctl.counters),
            "metrics_lines": len((tmp / "run" / "metrics.jsonl").read_text().splitlines()),
            "trained_record": len(ctl.trained), "workers_on_nodes": len(nodes_of),
+           "learner_on_its_node": learner_nodes == {learner_node.node_id} != {cluster.head_node.node_id},
            "removed_after_s": time.time() - removed_at}
     ctl.shutdown()
     print("RESULT " + json.dumps(out, default=int), flush=True)

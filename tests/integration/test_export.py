@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem.learner.actor import Learner
-from tests.helpers import ROOT, free_port, make_job
+from tests.helpers import ROOT, make_job
 from tests.helpers.learner import make_groups, sgd, started
 
 pytestmark = pytest.mark.integration
@@ -60,7 +60,7 @@ def test_adapter_loads_in_peft_and_vllm_and_merges(ray_session, tiny_model, tmp_
 
     cfg = make_job(tmp_path, tiny_model, [f"{ROOT}/examples/rewards.py:length_reward"],
                    model={"fast_inference": False}, optimizer={"learning_rate": 0.5, "max_grad_norm": 0.0})
-    lr = started(Learner(cfg, port=free_port(), optimizer=sgd(0.5)))
+    lr = started(Learner(cfg, optimizer=sgd(0.5)))
     groups = make_groups(lr.plan.unique_prompts, 4, seed=2)
     lr.train(groups)  # one SGD step: lora_B leaves zero, the adapter changes the model
     ck = lr.save_checkpoint(str(tmp_path / "ck" / "cycle-000001"))

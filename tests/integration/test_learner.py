@@ -10,7 +10,7 @@ import torch
 
 from tandem.learner.actor import Learner
 from tandem.learner.safe_load import CheckpointRefused
-from tests.helpers import ROOT, free_port, make_job
+from tests.helpers import ROOT, make_job
 from tests.helpers.learner import make_groups, reference_step, sgd, started, with_tool_spans
 
 pytestmark = pytest.mark.integration
@@ -41,7 +41,7 @@ def close(a, b, tol=1e-6):
 def test_accumulation_matches_whole_batch(tmp_path, tiny_model, loss_type, zero):
     groups = make_groups(2, 4, seed=1)  # 8 samples, unequal lengths
     c4 = job(tmp_path, tiny_model, per=2, ga=4, spg=4, loss_type=loss_type, zero=zero)
-    l4 = started(Learner(c4, port=free_port(), optimizer=sgd(LR)))
+    l4 = started(Learner(c4, optimizer=sgd(LR)))
     before = l4.trainable_parameters()
     step = l4.train(groups)["steps"][0]
     got = {k.removeprefix("module."): v for k, v in l4.trainable_parameters().items()}
@@ -56,7 +56,7 @@ def test_accumulation_matches_whole_batch(tmp_path, tiny_model, loss_type, zero)
     # and GA=1 on the four micro-batches concatenated gives the same step (bnpo excepted: local)
     if loss_type != "bnpo":
         c1 = job(tmp_path, tiny_model, per=8, ga=1, spg=1, loss_type=loss_type, zero=zero)
-        l1 = started(Learner(c1, port=free_port(), optimizer=sgd(LR)))
+        l1 = started(Learner(c1, optimizer=sgd(LR)))
         l1.train(groups)
         close(l1.trainable_parameters(), l4.trainable_parameters())
 
@@ -69,7 +69,7 @@ def test_padding_free_micro_batches_match_the_padded_whole_batch(tmp_path, tiny_
     ckpt = loss_type == "grpo"  # and recomputing the activations in backward changes nothing either
     cfg = job(tmp_path, tiny_model, per=2, ga=4, spg=4, loss_type=loss_type, zero=zero,
               model={"padding_free": True, "gradient_checkpointing": True if ckpt else "auto"})
-    lr = started(Learner(cfg, port=free_port(), optimizer=sgd(LR)))
+    lr = started(Learner(cfg, optimizer=sgd(LR)))
     step = lr.train(groups)["steps"][0]
     assert step["learner/gradient_checkpointing"] == float(ckpt)  # auto: off on CPU
     close({k.removeprefix("module."): v for k, v in lr.trainable_parameters().items()}, reference_step(cfg, groups, LR))
@@ -81,7 +81,7 @@ def test_padding_free_micro_batches_match_the_padded_whole_batch(tmp_path, tiny_
     if loss_type != "dapo":
         return
     padded = started(Learner(job(tmp_path, tiny_model, per=2, ga=4, spg=4, loss_type=loss_type, zero=zero,
-                                 model={"padding_free": False}), port=free_port(), optimizer=sgd(LR))).train(groups)
+                                 model={"padding_free": False}), optimizer=sgd(LR))).train(groups)
     padded = padded["steps"][0]
     assert padded["learner/padding_frac"] > 0.1
 
@@ -97,7 +97,7 @@ def test_a_token_budget_regroups_the_forwards_and_changes_no_weight(tmp_path, ti
     groups = make_groups(2, 4, seed=5)
     cfg = job(tmp_path, tiny_model, per=2, ga=4, spg=4, loss_type=loss_type, zero=zero,
               model={"max_tokens_per_forward": budget})
-    lr = started(Learner(cfg, port=free_port(), optimizer=sgd(LR)))
+    lr = started(Learner(cfg, optimizer=sgd(LR)))
     assert lr.token_budget == budget
     step = lr.train(groups)["steps"][0]
     close({k.removeprefix("module."): v for k, v in lr.trainable_parameters().items()}, reference_step(cfg, groups, LR))
@@ -118,7 +118,7 @@ def test_all_loss_terms_match_whole_batch(tmp_path, tiny_model, level, mu, paddi
               grpo={"beta": 0.2, "epsilon_high": 0.28, "delta": 1.5, "importance_sampling_level": level,
                     "vllm_importance_sampling_correction": True, "vllm_importance_sampling_cap": 1.2},
               generation={"temperature": 0.8}, model={"padding_free": padding_free})
-    lr = started(Learner(cfg, port=free_port(), optimizer=sgd(LR)))
+    lr = started(Learner(cfg, optimizer=sgd(LR)))
     assert lr.needs_old() == (mu > 1)
     lora = [m for m in lr.model.modules() if type(m).__name__ == "Linear" and hasattr(m, "lora_A")]
     assert lora and all(hasattr(m, "_peft_forward") for m in lora)  # the fused LoRA op, against peft's in the reference
@@ -138,13 +138,13 @@ def test_tool_tokens_are_context_not_actions_on_the_fused_path(tmp_path, tiny_mo
     groups = with_tool_spans(make_groups(2, 4, seed=13), seed=3)
     cfg = job(tmp_path, tiny_model, per=4, ga=2, spg=2, loss_type=loss_type,
               grpo={"beta": 0.1, "vllm_importance_sampling_correction": True, "vllm_importance_sampling_cap": 1.2})
-    a = started(Learner(cfg, port=free_port(), optimizer=sgd(LR)))
+    a = started(Learner(cfg, optimizer=sgd(LR)))
     a.train(groups)
     close(a.trainable_parameters(), reference_step(cfg, groups, LR))
     moved = copy.deepcopy(groups)
     for g in moved:
         g.sampler_logprobs = np.where(g.loss_mask, g.sampler_logprobs, g.sampler_logprobs - 5.0).astype(np.float32)
-    b = started(Learner(cfg, port=free_port(), optimizer=sgd(LR)))
+    b = started(Learner(cfg, optimizer=sgd(LR)))
     b.train(moved)
     close(b.trainable_parameters(), a.trainable_parameters(), tol=0)
 
@@ -154,7 +154,7 @@ def test_zero3_with_reference_and_two_epochs_matches_whole_batch(tmp_path, tiny_
     engine.forward, which the learner bypasses: KL to the adapter-free reference, two PPO epochs."""
     groups = make_groups(2, 4, seed=1)
     cfg = job(tmp_path, tiny_model, per=4, ga=2, spg=2, mu=2, zero=3, grpo={"beta": 0.1})
-    lr = started(Learner(cfg, port=free_port(), optimizer=sgd(LR)))
+    lr = started(Learner(cfg, optimizer=sgd(LR)))
     lr.train(groups)
     params = lr.trainable_parameters()
     close(params, reference_step(cfg, groups, LR, iterations=2))
@@ -167,7 +167,7 @@ def test_zero3_with_reference_and_two_epochs_matches_whole_batch(tmp_path, tiny_
 def test_two_ppo_epochs_match_hand_rolled_loop(tmp_path, tiny_model):
     groups = make_groups(2, 4, seed=2)
     cfg = job(tmp_path, tiny_model, per=8, ga=1, spg=1, mu=2)
-    lr = started(Learner(cfg, port=free_port(), optimizer=sgd(LR)))
+    lr = started(Learner(cfg, optimizer=sgd(LR)))
     assert lr.needs_old()
     out = lr.train(groups)
     assert len(out["steps"]) == 2
@@ -183,7 +183,7 @@ def test_positive_advantage_raises_logprob(tmp_path, tiny_model):
     groups[0].rewards[2] = 1.0  # completion 2 is the good one
     groups[0].eos[:] = True
     cfg = job(tmp_path, tiny_model, per=4, ga=1, spg=1, optimizer={"learning_rate": 1e-2})
-    lr = started(Learner(cfg, port=free_port()))
+    lr = started(Learner(cfg))
     s = Samples.from_groups(groups)
     mb = to_device(collate(s, range(4), torch.zeros(4), pad_id=0, mask_truncated=False), lr.device)
 
@@ -203,12 +203,12 @@ def test_positive_advantage_raises_logprob(tmp_path, tiny_model):
 def test_checkpoint_resume_is_bit_identical(tmp_path, tiny_model):
     cfg = job(tmp_path, tiny_model, per=4, ga=1, spg=2, optimizer={"learning_rate": 1e-2, "max_grad_norm": 1.0})
     b1, b2 = make_groups(2, 4, seed=4), make_groups(2, 4, seed=5)
-    a = started(Learner(cfg, port=free_port()))
+    a = started(Learner(cfg))
     a.train(b1)
     ck = a.save_checkpoint(str(tmp_path / "ck" / "step-1"))
     assert not (tmp_path / "ck" / "step-1.tmp").exists()
     a.train(b2)
-    b = started(Learner(cfg, port=free_port()))
+    b = started(Learner(cfg))
     meta = b.load_checkpoint(ck)
     assert meta["version"] == 1 and b.version == 1
     b.train(b2)
@@ -227,7 +227,7 @@ def test_reference_is_base_model(tmp_path, tiny_model):
     groups = make_groups(1, 4, seed=6)
     cfg = job(tmp_path, tiny_model, per=4, ga=1, spg=1, grpo={"beta": 0.1},
               optimizer={"learning_rate": 5e-2})
-    lr = started(Learner(cfg, port=free_port()))
+    lr = started(Learner(cfg))
     lr.train(groups)
     lr.train(groups)  # adapter now non-zero
     s = Samples.from_groups(groups)
@@ -249,7 +249,7 @@ def test_non_finite_loss_stops_before_the_weights_move(tmp_path, tiny_model):
     groups[1].sampler_logprobs[0] = float("nan")  # the first token of sample 4: micro-batch 2
     cfg = job(tmp_path, tiny_model, per=2, ga=4, spg=4, grpo={"vllm_importance_sampling_correction": True},
               model={"max_tokens_per_forward": None})  # the plan's four micro-batches, one forward each
-    lr = started(Learner(cfg, port=free_port(), optimizer=sgd(LR)))
+    lr = started(Learner(cfg, optimizer=sgd(LR)))
     before = lr.trainable_parameters()
     with pytest.raises(FloatingPointError, match=r"non-finite loss nan at forward 2 of 4: the sampler's log-probs "
                        r"not finite at sequence 4 \(completion 0 of group 1, the prompt at dataset index 1\), token 0"):
@@ -262,7 +262,7 @@ def test_non_finite_loss_stops_before_the_weights_move(tmp_path, tiny_model):
 def test_token_id_outside_the_vocabulary_is_named(tmp_path, tiny_model, field):
     groups = make_groups(2, 4, seed=14)
     getattr(groups[1], field)[1] = 512  # the tiny model's vocabulary is 0..511
-    lr = started(Learner(job(tmp_path, tiny_model, per=4, ga=1, spg=2), port=free_port()))
+    lr = started(Learner(job(tmp_path, tiny_model, per=4, ga=1, spg=2)))
     before = lr.trainable_parameters()
     with pytest.raises(ValueError, match=f"group 1 {field} holds token id 512; the model's vocabulary is 0..511"):
         lr.train(groups)
@@ -278,8 +278,8 @@ def test_bf16_learner_follows_the_float32_reference(tmp_path, tiny_model, zero):
 
     groups = make_groups(2, 4, seed=12)
     kw = dict(per=2, ga=4, spg=4, generation={"temperature": 0.9}, grpo={"epsilon_high": 0.28})
-    lr = started(Learner(job(tmp_path, tiny_model, zero=zero, model={"dtype": "bfloat16"}, **kw), port=free_port(),
-                 optimizer=sgd(LR)))
+    lr = started(Learner(job(tmp_path, tiny_model, zero=zero, model={"dtype": "bfloat16"}, **kw),
+                         optimizer=sgd(LR)))
     before = lr.trainable_parameters()
     lr.train(groups)
     after = lr.trainable_parameters()
@@ -298,7 +298,7 @@ def test_a_bf16_zero0_step_checks_its_gradients_in_one_readback(tmp_path, tiny_m
     answers as DeepSpeed's own per-tensor check on the engine's gradients, finite and with a NaN planted."""
     from deepspeed.runtime.utils import CheckOverflow
 
-    lr = started(Learner(job(tmp_path, tiny_model, per=4, ga=1, spg=2, model={"dtype": "bfloat16"}), port=free_port()))
+    lr = started(Learner(job(tmp_path, tiny_model, per=4, ga=1, spg=2, model={"dtype": "bfloat16"})))
     checker = lr.engine.optimizer.overflow_checker
     assert checker.has_overflow.__func__.__module__ == "tandem.learner.overflow"
     params = [p for p in lr.engine.module.parameters() if p.requires_grad]
@@ -309,6 +309,23 @@ def test_a_bf16_zero0_step_checks_its_gradients_in_one_readback(tmp_path, tiny_m
     params[len(params) // 2].grad.view(-1)[1] = float("nan")
     assert checker.has_overflow(params) is True
     assert CheckOverflow.has_overflow(checker, params) is True
+
+
+def test_rank_0_holds_the_groups_port_from_its_rendezvous_on(ray_session, tmp_path, tiny_model):
+    """rendezvous() returns rank 0's node address and a port its store already listens on, before any setup: no
+    window in which another process can take the port (a probe socket bound and closed leaves one)."""
+    import socket
+
+    import ray
+
+    rank0 = Learner(job(tmp_path, tiny_model, per=2, ga=1, spg=2, nproc=2), rank=0, world=2)
+    host, port = rank0.rendezvous()
+    assert host == ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        with pytest.raises(OSError):
+            s.bind(("", port))
+    with socket.create_connection((host, port), timeout=5):
+        pass
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])  # dr_grpo: grpo's cross-rank sequence count, a constant per token
@@ -333,7 +350,7 @@ def test_two_ranks_match_one(ray_session, tmp_path, tiny_model, loss_type):
     p2 = g2.trainable_parameters()
     g2.shutdown()
     c1 = job(tmp_path, tiny_model, per=8, ga=1, spg=1, loss_type=loss_type)
-    l1 = started(Learner(c1, port=free_port(), optimizer=sgd(LR)))
+    l1 = started(Learner(c1, optimizer=sgd(LR)))
     l1.train(groups)
     close(p2, l1.trainable_parameters())
 
@@ -349,7 +366,7 @@ def test_learner_metrics_match_math_functions(tmp_path, tiny_model):
     cfg = job(tmp_path, tiny_model, per=8, ga=1, spg=1, grpo={"vllm_importance_sampling_correction": True,
               "vllm_importance_sampling_cap": 1.5}, generation={"temperature": 0.8})
     assert cfg.tis
-    got = started(Learner(cfg, port=free_port(), optimizer=sgd(LR))).train(groups)["steps"][0]
+    got = started(Learner(cfg, optimizer=sgd(LR))).train(groups)["steps"][0]
     torch.manual_seed(cfg.seed)
     model = load_policy(cfg)
     s = Samples.from_groups(groups)
@@ -386,13 +403,13 @@ def test_a_planted_pickle_in_any_checkpoint_file_is_refused_and_runs_nothing(tmp
     import shutil
 
     cfg = job(tmp_path, tiny_model, per=4, ga=1, spg=1, zero=zero)
-    a = started(Learner(cfg, port=free_port()))
+    a = started(Learner(cfg))
     a.train(make_groups(1, 4, seed=1))
     ck = Path(a.save_checkpoint(str(tmp_path / "ck" / "good")))
     files = [f.relative_to(ck) for f in sorted(ck.rglob("*")) if f.is_file() and f.suffix in (".pt", ".safetensors", ".json")
              and f.parent.name != "adapter"]  # the user's artifact (safetensors + config): not read on resume
     assert {f.suffix for f in files} == {".pt", ".safetensors", ".json"} and len(files) >= 3 + (zero > 0), files
-    b = started(Learner(cfg, port=free_port()))
+    b = started(Learner(cfg))
     for rel in files:
         bad = tmp_path / "ck" / f"bad-{rel.name}"
         shutil.copytree(ck, bad)
@@ -413,7 +430,7 @@ import os, resource, signal, sys
 sys.path.insert(0, ROOT)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from pathlib import Path
-from tests.helpers import free_port, make_job
+from tests.helpers import make_job
 from tests.helpers.learner import make_groups, started
 from tandem.learner.actor import Learner
 from tandem.learner.safe_load import CheckpointWriteError
@@ -421,7 +438,7 @@ from tandem.learner.safe_load import CheckpointWriteError
 tmp = Path(TMP)
 cfg = make_job(tmp, MODEL, [f"{ROOT}/examples/rewards.py:length_reward"], model={"fast_inference": False},
                cluster={"zero_stage": 2}, batch={"per_device_train_batch_size": 4, "num_generations": 4})
-a = started(Learner(cfg, port=free_port()))
+a = started(Learner(cfg))
 a.train(make_groups(1, 4))
 good = a.save_checkpoint(str(tmp / "ck" / "cycle-000001"))
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk

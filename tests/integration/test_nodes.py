@@ -13,13 +13,14 @@ pytestmark = pytest.mark.integration
 
 
 def test_a_lost_rollout_node_costs_its_worker_and_groups_not_the_job(tmp_path, tiny_model):
-    """Learner and controller on the head, two rollout nodes, max_staleness 1; one rollout node removed after cycle 2
+    """Controller on the head, the learner on a node of its own, two rollout nodes, max_staleness 1; one rollout node removed after cycle 2
     with groups it scored in its object store. The job is not restarted: the worker is replaced (its replacement
     waits for a node with `rollout` free, said in a line, while the job goes on with the other worker), the lost
     groups are sampled again before anything trains on them, and every cycle trains unique_prompts groups, none
     twice, each within the staleness bound."""
     r, said = run_job_script("tests.integration.nodes_job", str(tmp_path), tiny_model)
     assert r["workers_on_nodes"] == 2  # one worker on each rollout node
+    assert r["learner_on_its_node"]
     assert r["steps"] == [1, 2, 3, 4] and r["metrics_lines"] == 4
     assert r["trained"] == r["distinct"] == r["trained_record"] == 8  # 2 prompts a cycle, none twice
     assert all(0 <= lag <= 1 for cycle in r["lags"] for lag in cycle), r["lags"]

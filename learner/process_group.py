@@ -1,0 +1,46 @@
+"""How the learner's ranks find each other. Rank 0 opens torch.distributed's store on a port that its own node's
+kernel picks and that it holds from then on; the other ranks join it at rank 0's node address. A port chosen by
+binding a probe socket and closing it (the env:// rendezvous fed a "free" port) can be taken by any other process's
+outgoing connection before the store listens on it (EADDRINUSE); and an address taken on the process that starts the
+actors is the wrong node's wherever Ray puts rank 0 elsewhere."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def open_store(world: int):
+    """Rank 0's store, listening on every interface of this node at a port the kernel picked. -> (store, port)."""
+    import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
+
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=default_pg_timeout)
+    return store, store.port
+
+
+def join_process_group(rank: int, world: int, address: tuple[str, int] | None, store=None) -> None:
+    """This rank in the default process group: rank 0 through `store` (open_store's, or one of its own when the
+    group is this rank alone), another rank through rank 0's `address` (host, port). A process whose default group
+    already exists (the colocated worker: vLLM's group of one) keeps it."""
+    import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
+
+    if dist.is_initialized():
+        return
+    if rank == 0 and store is None:
+        if world != 1:
+            raise ValueError(f"learner rank 0 of {world}: no store; Learner.rendezvous() opens it before setup()")
+        store, _ = open_store(1)
+    if rank != 0:
+        if address is None:
+            raise ValueError(f"learner rank {rank} of {world}: setup() needs rank 0's rendezvous address (host, port)")
+        host, port = address
+        store = dist.TCPStore(host, int(port), world, is_master=False, timeout=default_pg_timeout)
+    cuda = torch.cuda.is_available()
+    kwargs = {}
+    if cuda and world > 1:  # binds the rank's GPU to its communicator, as DeepSpeed's own init does
+        kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world,
+                            timeout=default_pg_timeout, **kwargs)
