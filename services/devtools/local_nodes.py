@@ -118,6 +118,20 @@ def start_autoscaling_head(env: dict, temp: str, head_cpus: int, worker_node_typ
     return start_head(env, temp, head_cpus, port=port, extra=f"--autoscaling-config={path} ")
 
 
+_BLOCKS: set[int] = set()  # the worker port blocks this process gave its nodes
+
+
+def _unbound(low: int, high: int) -> bool:
+    """Whether no port in [low, high) is bound now (another node's workers would hold some)."""
+    for port in range(low, high):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                return False
+    return True
+
+
 def start_node(gcs: str, env: dict, resources: dict, num_cpus: int, hide: list[Path] = (),
                num_gpus: float | None = None) -> subprocess.Popen:
     """A node joined to the head at `gcs`; `hide`: paths it sees as empty directories (a tmpfs over each, in a mount
@@ -128,7 +142,8 @@ def start_node(gcs: str, env: dict, resources: dict, num_cpus: int, hide: list[P
     # a block of its own between a head's default worker ports (10002-19999) and Linux's ephemeral range
     # (32768-60999): clear of free_port's ports for the node's other components (above that range) and of every
     # outgoing connection's
-    low = random.randrange(20000, 32700, 100)
+    low = next(b for b in random.sample(range(20000, 32700, 100), 127) if b not in _BLOCKS and _unbound(b, b + 100))
+    _BLOCKS.add(low)
     temp = tempfile.mkdtemp(prefix="ray")  # its own: two nodes in one session directory share socket names
     ray_start = (f"exec {RAY} start --address={gcs} --block --num-cpus={num_cpus} --temp-dir={temp} "
                  f"{_resources(num_gpus, resources)}--min-worker-port={low} --max-worker-port={low + 99} "
