@@ -10,6 +10,8 @@ Commands:
   LoadVersion(v, ...)    serve policy version v from now on (an adapter or full weights)
   TrainableFrom(v)       no training will take a group sampled before version v (the controller took the batch
                          that was the last one able to): training requests on older versions stop now
+  StopTraining()         the run took its last batch: the training requests in the engine now, and those waiting
+                         for a version, stop (RunEnded); one that comes later runs
   STOP                   end the loop
 
 A request can no longer become a trainable group once the newest version published (loaded, or waiting to load)
@@ -61,6 +63,15 @@ class StaleRequest(Exception):
     def __init__(self, version: int, trainable_from: int, max_staleness: int):
         super().__init__(f"sampled with policy version {version}; the next trainings take groups of version "
                          f"{trainable_from} or newer (max_staleness {max_staleness}): stopped, to be sampled again")
+        self.version = version
+
+
+class RunEnded(StaleRequest):
+    """A training request stopped because the run took its last batch (StopTraining): its prompt is left for a
+    resume, not sampled again in this run."""
+
+    def __init__(self, version: int):
+        Exception.__init__(self, f"sampled with policy version {version}; the run took its last batch: stopped")
         self.version = version
 
 
@@ -117,6 +128,11 @@ class Release:
 @dataclass
 class TrainableFrom:
     version: int
+
+
+@dataclass
+class StopTraining:
+    pass
 
 
 @dataclass
@@ -179,11 +195,14 @@ class EngineLoop:
         commands += self._drain_inbox()
         commands, self._early = commands + self._early, []
         batch: list[Sample] = []
+        stop_training = False
         for cmd in commands:
             if cmd is STOP:
                 self._stop.set()  # this turn ends what it has begun; no next turn
             elif isinstance(cmd, TrainableFrom):  # loads nothing: never waits behind a held load
                 self.trainable_from = max(self.trainable_from, cmd.version)
+            elif isinstance(cmd, StopTraining):  # applied after this turn's arrivals, which it stops too
+                stop_training = True
             elif self._held and not continues_episode(cmd):
                 self._held.append(cmd)  # behind a load that waits: the order is kept
             elif isinstance(cmd, Release):
@@ -199,8 +218,28 @@ class EngineLoop:
                 self._add(cmd)
             else:
                 batch.append(cmd)
+        if stop_training:
+            batch = self._stop_training(batch)
         self._stop_stale()
         self._step(batch)
+
+    def _stop_training(self, batch: list[Sample]) -> list[Sample]:
+        """StopTraining on an engine that can stop a request: every training request running stops, and one not
+        started yet (waiting for its version, or in this turn's batch) fails before it starts. -> the batch less
+        those."""
+        if not self.engine.can_abort:
+            return batch
+        for key, req in list(self._running.items()):
+            if req.stoppable and req.hold == 0 and req.pin is None:
+                self.engine.abort(key)
+                del self._running[key]
+                self._in_use[req.version] -= 1
+                req.fail(RunEnded(req.version))
+        waiting = [s for s in self._early + batch if s.request.stoppable and s.hold == 0 and s.request.pin is None]
+        for s in waiting:
+            s.request.fail(RunEnded(s.request.min_version))
+        self._early = [s for s in self._early if s not in waiting]
+        return [s for s in batch if s not in waiting]
 
     def _stop_stale(self) -> None:
         """Requests that can no longer be trained (the module's docstring) stopped and failed with StaleRequest."""

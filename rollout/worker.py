@@ -32,7 +32,15 @@ from tandem.core.protocol import (
     pack_completions,
 )
 from tandem.core.shaping import is_informative, overlong_penalty
-from tandem.rollout.engine_loop import EngineLoop, LoadVersion, Request, Sample, StaleRequest, TrainableFrom
+from tandem.rollout.engine_loop import (
+    EngineLoop,
+    LoadVersion,
+    Request,
+    Sample,
+    StaleRequest,
+    StopTraining,
+    TrainableFrom,
+)
 from tandem.rollout.engines.base import Completion, Sampling
 from tandem.rollout.episodes import (
     EnvironmentResetError,
@@ -188,6 +196,12 @@ class RolloutWorker:
         engine's next step (rollout/engine_loop.py), without waiting for the publish that would stop them."""
         self._await_ready()
         self.loop.submit(TrainableFrom(version))
+
+    def stop_training(self) -> None:
+        """The run took its last batch: the training requests in the engine stop now (rollout/engine_loop.py's
+        StopTraining); their prompts come back as stopped, left for a resume."""
+        self._await_ready()
+        self.loop.submit(StopTraining())
 
     def _sample(self, items: list[PromptItem], sampling: Sampling, training: bool = False
                 ) -> list[Sampled | RolloutFailure]:

@@ -105,13 +105,14 @@ class Progress:
     """Where the run is: generation cycles done and the policy version served (saved), its length (from the
     job and the data), the last publish's latency, and the batch training ahead of the cycle count, if any."""
 
-    TRANSIENT: ClassVar = ("total_cycles", "total_steps", "publish_latency_s", "training")
+    TRANSIENT: ClassVar = ("total_cycles", "total_steps", "publish_latency_s", "training", "all_taken")
     cycle: int = 0
     version: int = 0
     total_cycles: int = 0
     total_steps: int = 0
     publish_latency_s: float = 0.0  # from the adapter's send to every worker serving it
     training: Training | None = None  # the next cycle's batch, training ahead of it (never saved: a save drains it)
+    all_taken: bool = False  # the run's last batch is taken: what is still sampling is left for a resume
 
     def state(self) -> dict:
         return {"cycle": self.cycle, "version": self.version}
@@ -364,10 +365,16 @@ class Controller:
     def _start_training(self, batch: list, sampled: dict) -> Training:
         """The batch to the learner, whose result brings the adapter to publish (export=True). The batches after it
         train at version + 1 or later: a request sampled before version + 1 - max_staleness is stopped now, not when
-        that version is published (its sequences would take the engine's steps for the whole training)."""
+        that version is published (its sequences would take the engine's steps for the whole training). The run's
+        last batch stops every training request: nothing trains them in this run (services/orchestrator/pipeline.py:
+        with k >= 1 up to one batch of prompts is out past the last)."""
         training = Training(batch, sampled, self.learner.train_async([g for _, g in batch], True))
         if (k := self.cfg.cluster.max_staleness) >= 1:  # after the learner's call: it waits for nothing of this
-            self.pool.trainable_from(self.version + 1 - k)
+            if self._batches_left() == 1:
+                self.progress.all_taken = True
+                self.pool.stop_training()
+            else:
+                self.pool.trainable_from(self.version + 1 - k)
         return training
 
     def _train_ahead(self) -> Training | None:
@@ -445,7 +452,9 @@ class Controller:
             self._accept(it, meta, ref)
 
     def _accept(self, it, meta: dict, ref) -> None:
-        if meta.get("stale_version") is not None:  # stopped mid-sampling: it could no longer be trained
+        if meta.get("stale_version") is not None and self.progress.all_taken:  # stopped at the run's end
+            self.source.requeue(it.index, it.epoch)  # left for a resume: the checkpoint's source state holds it
+        elif meta.get("stale_version") is not None:  # stopped mid-sampling: it could no longer be trained
             self.counters["stale_stopped"] += 1
             self._stale(it.index, it.epoch, meta["stale_version"])
         elif not meta.get("failure"):

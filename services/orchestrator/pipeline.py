@@ -9,7 +9,15 @@ first, so the prompts outstanding (buffered or in flight) fill the next batches 
 training, the learner is at v: the next take trains at v, the one after at v + 1, ..., so k + 1 batches may be
 outstanding (the k-th trains at v + k: a lag of k). While a batch is in training (taken, making v + 1), the batches
 after it train at v + 1 ... v + k: k of them. Handing out fewer leaves the engine idle before the bound; more, and
-the groups past the bound are sampled only to be dropped. Never past the run's last batch.
+the groups past the bound are sampled only to be dropped.
+
+At the run's end, at most one batch of prompts past its last (k >= 1). A batch takes the groups that finish first, so
+the longest completions slide to later batches; a last batch whose prompts were only its own would wait for every
+one of them (on one H200, the 1.5B long tail's last steps took 12-21 s against 4-9 s before them). With one batch
+more out, it takes the first to finish, as any other batch; taking it stops the rest (the controller's
+_start_training), which no training in this run takes: the run's last checkpoint holds their prompts as pending, and
+a resume with more steps hands them out first. TRL's AsyncGRPOTrainer likewise stops its rollout worker when training
+ends and leaves what it did not train.
 """
 
 from __future__ import annotations
@@ -17,9 +25,11 @@ from __future__ import annotations
 
 def prompts_wanted(unique_prompts: int, max_staleness: int, training: bool, batches_left: int) -> int:
     """Prompts to keep outstanding (buffered + in flight) now. training: a batch is taken and not yet trained;
-    batches_left: the run's batches not yet trained, that one included."""
+    batches_left: the run's batches not yet trained, that one included. Once every batch is taken, none."""
     untaken = batches_left - int(training)
-    return unique_prompts * max(0, min(max_staleness + 1 - int(training), untaken))
+    if untaken <= 0:
+        return 0
+    return unique_prompts * max(0, min(max_staleness + 1 - int(training), untaken + int(max_staleness >= 1)))
 
 
 def trained_ahead_allowed(max_staleness: int, batches_left: int, checkpoint_due: bool, stopping: bool) -> bool:

@@ -223,6 +223,12 @@ class RolloutPool:
         for actor in self.serving():
             actor.trainable_from.remote(version)
 
+    def stop_training(self) -> None:
+        """Every serving worker told that the run took its last batch: its training requests stop (not waited for: a
+        worker that misses it runs them to their end, and their groups stay pending)."""
+        for actor in self.serving():
+            actor.stop_training.remote()
+
     # ----------------------------------------------------------------------------- publishing
 
     def send(self, version: int, adapter_ref) -> list:

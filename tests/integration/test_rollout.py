@@ -257,7 +257,8 @@ def test_publishing_and_a_running_request(ray_session, hf, tiny_model, tmp_path,
     the request to end. Either way the running request finishes on the version it started with (all its
     log-probs the base model's: weights swapped mid-request would give the adapter's for the rest), the
     next one samples with the new adapter as transformers does. A training group's request that a publish leaves
-    past max_staleness is stopped, and so is one the controller says no training will take (trainable_from)."""
+    past max_staleness is stopped, and so is one the controller says no training will take (trainable_from), and one
+running when the run takes its last batch (stop_training), not one that comes after."""
     job = make_job(tmp_path, tiny_model, [REWARD], generation={"max_completion_length": 900, "max_prompt_length": 64},
                    batch={"num_generations": 8, "per_device_train_batch_size": 8},
                    cluster={"vllm_merge_adapter": merged})
@@ -309,6 +310,15 @@ def test_publishing_and_a_running_request(ray_session, hf, tiny_model, tmp_path,
     assert meta["stale_version"] == 3 and "version 4 or newer" in meta["failure"], meta
     assert ray_session.get(w.stats.remote())["stopped_stale"] == 2
     assert ray_session.get(w.generate.remote([it[1]], Sampling(n=2, max_tokens=8)))[0].version == 3
+    # the run took its last batch (stop_training): the training request running stops, one sent later runs
+    assert ray_session.get(w.set_adapter.remote(4, random_adapter(hf, seed=6))) == 4
+    doomed, _ = w.rollout.options(num_returns=2).remote(it[0])
+    time.sleep(0.3)
+    w.stop_training.remote()
+    meta = ray_session.get(doomed, timeout=20)
+    assert meta["stale_version"] == 4 and "last batch" in meta["failure"], meta
+    later, _ = w.rollout.options(num_returns=2).remote(it[1])
+    assert not ray_session.get(later, timeout=120).get("failure")  # a scored group
     ray_session.get(w.shutdown.remote())
     ray_session.kill(w)
 

@@ -300,3 +300,30 @@ def test_trainable_from_stops_the_training_requests_of_older_versions_without_a_
     loop.stop()
     t.join(5)
     assert [e for e in eng.events if e[0] == "abort"] == [("abort", 0)]
+
+
+def test_stop_training_stops_what_runs_and_waits_now_and_nothing_that_comes_later():
+    """The run took its last batch (StopTraining): the training request running stops (RunEnded, a StaleRequest: the
+    worker returns it as stopped), so does one waiting for a version not served yet; the evaluation's runs on, and
+    a training request submitted afterwards runs to its end (one-shot, unlike TrainableFrom)."""
+    from tandem.rollout.engine_loop import RunEnded, StopTraining
+
+    eng, loop, t, train, evaluation = training_and_evaluation_running(one_version=False)
+    early = Request(np.array([5], np.int32), SAMPLING, min_version=3, stoppable=True)
+    loop.submit(Sample(early))
+    loop.submit(StopTraining())
+    finish(train, early)
+    assert isinstance(train.error, RunEnded) and train.error.version == 0 and "last batch" in str(train.error)
+    assert isinstance(early.error, RunEnded) and not early.started
+    assert not evaluation.done.wait(0.2)
+    later = Request(np.array([6], np.int32), SAMPLING, stoppable=True)
+    loop.submit(Sample(later))
+    while sum(e[0] == "add" for e in eng.events) < 3:
+        pass
+    assert not later.done.wait(0.2), "stopped by a StopTraining sent before it came"
+    eng.left[2] = 1  # the later request ends at the next step
+    finish(later)
+    loop.stop()
+    t.join(5)
+    assert later.error is None and later.result is not None
+    assert [e for e in eng.events if e[0] == "abort"] == [("abort", 0)]
