@@ -157,6 +157,31 @@ def test_k0_samples_each_cycle_with_the_previous_version_and_resume_continues_or
     b.shutdown()
 
 
+def test_the_runs_last_batch_takes_what_comes_back_first_and_leaves_the_rest_to_a_resume(ray_session, tmp_path,
+                                                                                        tiny_model):
+    """max_staleness 1, three cycles, the second saving (so nothing trains ahead of the last: its batch is collected):
+    one batch of prompts more than the run trains goes out, the last batch takes the first U back, and taking it stops
+    the rest, none of them counted stale; the last checkpoint holds them as pending, and a resume with a fourth step
+    hands them out first."""
+    cfg = loop_job(tmp_path, tiny_model, 1, batch={"max_steps": 3}, checkpoint={"save_steps": 2})
+    a = started(Controller(cfg))
+    U = a.plan.unique_prompts
+    while not a.step()["done"]:
+        pass
+    left = sorted(pending(a))
+    assert len(left) == U and not set(left) & {(e, i) for e, i, _ in a.seen}
+    assert a.counters["stale_stopped"] == a.counters["stale_dropped"] == 0
+    check_accounting(a, 16)
+    assert a.save_checkpoint().endswith("cycle-000003")
+    a.shutdown()
+    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": True}),
+                                 "batch": cfg.batch.model_copy(update={"max_steps": 4})})
+    b = started(Controller(cfg))
+    assert b.resume().endswith("cycle-000003") and b.cycle == 3
+    assert sorted(tuple(x) for x in list(b.source.requeued)[:U]) == left
+    b.shutdown()
+
+
 def test_tandem_scale_and_status_reach_the_running_job(ray_session, tmp_path, tiny_model, capsys):
     """The CLI finds a running job's Controller by its run directory (a named actor) on the cluster."""
     import yaml
