@@ -231,10 +231,7 @@ class EngineLoop:
             return batch
         for key, req in list(self._running.items()):
             if req.stoppable and req.hold == 0 and req.pin is None:
-                self.engine.abort(key)
-                del self._running[key]
-                self._in_use[req.version] -= 1
-                req.fail(RunEnded(req.version))
+                self._abort(key, RunEnded(req.version))
         waiting = [s for s in self._early + batch if s.request.stoppable and s.hold == 0 and s.request.pin is None]
         for s in waiting:
             s.request.fail(RunEnded(s.request.min_version))
@@ -249,10 +246,14 @@ class EngineLoop:
         oldest = max(newest - self.max_staleness, self.trainable_from)
         for key, req in list(self._running.items()):
             if req.stoppable and req.version < oldest and req.hold == 0 and req.pin is None:
-                self.engine.abort(key)
-                del self._running[key]
-                self._in_use[req.version] -= 1
-                req.fail(StaleRequest(req.version, oldest, self.max_staleness))
+                self._abort(key, StaleRequest(req.version, oldest, self.max_staleness))
+
+    def _abort(self, key: int, error: StaleRequest) -> None:
+        """A running request stopped in the engine and failed with `error`."""
+        req = self._running.pop(key)
+        self.engine.abort(key)
+        self._in_use[req.version] -= 1
+        req.fail(error)
 
     def _drain_inbox(self) -> list:
         out = []
