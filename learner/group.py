@@ -61,7 +61,6 @@ class LearnerGroup:
         wait=False: then `ready()` does (the rollout workers start meanwhile). actor_class: a Ray actor
         class built from the Learner's arguments whose LEARNER_METHODS are named prefix + method (the
         colocated rollout worker, cluster.vllm_mode colocate); None: LearnerActor."""
-
         n = cfg.cluster.num_processes
         cls = actor_class or learner_actor_class(cfg, LearnerActor)
         self._prefix = prefix

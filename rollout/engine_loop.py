@@ -146,6 +146,12 @@ class LoadVersion:
 STOP = None  # the command that ends the loop
 
 
+def stoppable(req: Request, hold: int) -> bool:
+    """A training group's request that the loop may stop: not an evaluation's, nor an episode's (one that holds its
+    version for its episodes, or a later turn pinned to it: the episode is one unit)."""
+    return req.stoppable and hold == 0 and req.pin is None
+
+
 class EngineLoop:
     """`submit(command)` from any thread; `run(engine)` in the thread that built the engine (vLLM keeps a CUDA
     stream per thread) until STOP or `stop()`. version: the newest version served (0: the base model)."""
@@ -230,13 +236,13 @@ class EngineLoop:
         if not self.engine.can_abort:
             return batch
         for key, req in list(self._running.items()):
-            if req.stoppable and req.hold == 0 and req.pin is None:
+            if stoppable(req, req.hold):
                 self._abort(key, RunEnded(req.version))
-        waiting = [s for s in self._early + batch if s.request.stoppable and s.hold == 0 and s.request.pin is None]
-        for s in waiting:
-            s.request.fail(RunEnded(s.request.min_version))
-        self._early = [s for s in self._early if s not in waiting]
-        return [s for s in batch if s not in waiting]
+        for s in self._early + batch:
+            if stoppable(s.request, s.hold):
+                s.request.fail(RunEnded(s.request.min_version))
+        self._early = [s for s in self._early if not stoppable(s.request, s.hold)]
+        return [s for s in batch if not stoppable(s.request, s.hold)]
 
     def _stop_stale(self) -> None:
         """Requests that can no longer be trained (the module's docstring) stopped and failed with StaleRequest."""
@@ -245,7 +251,7 @@ class EngineLoop:
         newest = max([self.version] + [c.version for c in self._held if isinstance(c, LoadVersion)])
         oldest = max(newest - self.max_staleness, self.trainable_from)
         for key, req in list(self._running.items()):
-            if req.stoppable and req.version < oldest and req.hold == 0 and req.pin is None:
+            if stoppable(req, req.hold) and req.version < oldest:
                 self._abort(key, StaleRequest(req.version, oldest, self.max_staleness))
 
     def _abort(self, key: int, error: StaleRequest) -> None:

@@ -29,6 +29,17 @@ def ephemeral_ports() -> range:
     return range(low, high + 1)
 
 
+def _unbound(*ports: int) -> bool:
+    """Whether none of `ports` is bound now on any interface of this machine."""
+    for port in ports:
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                return False
+    return True
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now, for a listener that starts later (a Ray node's, a test's server). Drawn above
     the ephemeral range where there is room: a port from inside it (a probe socket bound to port 0) may go to any
@@ -37,12 +48,7 @@ def free_port() -> int:
 
     above = range(ephemeral_ports().stop, 65536)
     for _ in range(100) if len(above) >= 1000 else ():
-        port = random.choice(above)
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
+        if _unbound(port := random.choice(above)):
             return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -121,17 +127,6 @@ def start_autoscaling_head(env: dict, temp: str, head_cpus: int, worker_node_typ
 _BLOCKS: set[int] = set()  # the worker port blocks this process gave its nodes
 
 
-def _unbound(low: int, high: int) -> bool:
-    """Whether no port in [low, high) is bound now (another node's workers would hold some)."""
-    for port in range(low, high):
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                return False
-    return True
-
-
 def start_node(gcs: str, env: dict, resources: dict, num_cpus: int, hide: list[Path] = (),
                num_gpus: float | None = None) -> subprocess.Popen:
     """A node joined to the head at `gcs`; `hide`: paths it sees as empty directories (a tmpfs over each, in a mount
@@ -142,7 +137,7 @@ def start_node(gcs: str, env: dict, resources: dict, num_cpus: int, hide: list[P
     # a block of its own between a head's default worker ports (10002-19999) and Linux's ephemeral range
     # (32768-60999): clear of free_port's ports for the node's other components (above that range) and of every
     # outgoing connection's
-    low = next(b for b in random.sample(range(20000, 32700, 100), 127) if b not in _BLOCKS and _unbound(b, b + 100))
+    low = next(b for b in random.sample(range(20000, 32700, 100), 127) if b not in _BLOCKS and _unbound(*range(b, b + 100)))
     _BLOCKS.add(low)
     temp = tempfile.mkdtemp(prefix="ray")  # its own: two nodes in one session directory share socket names
     ray_start = (f"exec {RAY} start --address={gcs} --block --num-cpus={num_cpus} --temp-dir={temp} "
