@@ -452,11 +452,12 @@ class Controller:
             self._accept(it, meta, ref)
 
     def _accept(self, it, meta: dict, ref) -> None:
-        if meta.get("stale_version") is not None and self.progress.all_taken:  # stopped at the run's end
-            self.source.requeue(it.index, it.epoch)  # left for a resume: the checkpoint's source state holds it
-        elif meta.get("stale_version") is not None:  # stopped mid-sampling: it could no longer be trained
-            self.counters["stale_stopped"] += 1
-            self._stale(it.index, it.epoch, meta["stale_version"])
+        if meta.get("stale_version") is not None:  # stopped mid-sampling
+            if self.progress.all_taken:  # by the run's end: left for a resume (the checkpoint's source state)
+                self.source.requeue(it.index, it.epoch)
+            else:  # it could no longer be trained
+                self.counters["stale_stopped"] += 1
+                self._stale(it.index, it.epoch, meta["stale_version"])
         elif not meta.get("failure"):
             self.failures.rewarded()
             if not self.buffer.admit(dict(meta, index=it.index, epoch=it.epoch), ref):

@@ -29,7 +29,7 @@ def prompts_wanted(unique_prompts: int, max_staleness: int, training: bool, batc
     untaken = batches_left - int(training)
     if untaken <= 0:
         return 0
-    return unique_prompts * max(0, min(max_staleness + 1 - int(training), untaken + int(max_staleness >= 1)))
+    return unique_prompts * min(max_staleness + 1 - int(training), untaken + int(max_staleness >= 1))
 
 
 def trained_ahead_allowed(max_staleness: int, batches_left: int, checkpoint_due: bool, stopping: bool) -> bool:
