@@ -313,7 +313,9 @@ running when the run takes its last batch (stop_training), not one that comes af
     # the run took its last batch (stop_training): the training request running stops, one sent later runs
     assert ray_session.get(w.set_adapter.remote(4, random_adapter(hf, seed=6))) == 4
     doomed, _ = w.rollout.options(num_returns=2).remote(it[0])
-    time.sleep(0.3)
+    deadline = time.time() + 60  # in the engine before the word (which stops nothing that comes after it)
+    while not ray_session.get(w.__ray_call__.remote(lambda self: len(self.loop._running))) and time.time() < deadline:
+        time.sleep(0.05)
     w.stop_training.remote()
     meta = ray_session.get(doomed, timeout=20)
     assert meta["stale_version"] == 4 and "last batch" in meta["failure"], meta
