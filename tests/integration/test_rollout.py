@@ -250,6 +250,16 @@ def test_full_weight_reload_tied_embeddings(ray_session, tied_model, tmp_path):
     ray_session.kill(w)
 
 
+def in_engine(ray, worker, timeout=60.0) -> None:
+    """Until a request runs in the worker's engine (its call reached the engine loop and started there)."""
+    import time
+
+    deadline = time.time() + timeout
+    while not ray.get(worker.__ray_call__.remote(lambda self: len(self.loop._running))):
+        assert time.time() < deadline, "no request reached the engine"
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("merged", [False, True], ids=["lora", "merged"])
 def test_publishing_and_a_running_request(ray_session, hf, tiny_model, tmp_path, merged):
     """A new adapter while a long request runs. As a LoRA adapter it is served at once: set_adapter returns
@@ -267,10 +277,7 @@ running when the run takes its last batch (stop_training), not one that comes af
     it = items(tiny_model, n=3, start=20)
     long = Sampling(n=8, temperature=1.0, max_tokens=900)
     running = w.generate.remote([it[0]], long)
-    ray_session.get(w.health.remote())
-    import time
-
-    time.sleep(0.3)  # the request is in the engine
+    in_engine(ray_session, w)
     ad = random_adapter(hf, seed=3)
     assert ray_session.get(w.set_adapter.remote(1, ad)) == 1
     published_first = not ray_session.wait([running], timeout=0)[0]
@@ -289,6 +296,8 @@ running when the run takes its last batch (stop_training), not one that comes af
     assert got.completion(0).tolist() == hf.generate([it[2].prompt_ids], greedy)[0][0].tokens.tolist()
     # handed out while version 2 is being published, a prompt asks for it: held until the worker serves it
     early = w.generate.remote([dataclasses.replace(it[1], min_version=2)], Sampling(n=2, max_tokens=8))
+    import time
+
     time.sleep(0.5)
     assert not ray_session.wait([early], timeout=0)[0], "started before the version it asked for was served"
     assert ray_session.get(w.set_adapter.remote(2, random_adapter(hf, seed=4))) == 2
@@ -296,7 +305,7 @@ running when the run takes its last batch (stop_training), not one that comes af
     # a training group's request (`rollout`) that can no longer be trained once version 3 is published (the job's
     # max_staleness is 0) is stopped there, not run on to its 900 tokens; the engine samples on
     doomed, _ = w.rollout.options(num_returns=2).remote(it[0])
-    time.sleep(0.3)
+    in_engine(ray_session, w)
     assert ray_session.get(w.set_adapter.remote(3, random_adapter(hf, seed=5))) == 3
     meta = ray_session.get(doomed, timeout=20)
     assert meta["stale_version"] == 2 and "max_staleness 0" in meta["failure"], meta
@@ -304,7 +313,7 @@ running when the run takes its last batch (stop_training), not one that comes af
     # the controller's word that no training will take a group of version 3 (it took the last batch that could)
     # stops one at once, with no publish
     doomed, _ = w.rollout.options(num_returns=2).remote(it[0])
-    time.sleep(0.3)
+    in_engine(ray_session, w)
     w.trainable_from.remote(4)
     meta = ray_session.get(doomed, timeout=20)
     assert meta["stale_version"] == 3 and "version 4 or newer" in meta["failure"], meta
@@ -313,9 +322,7 @@ running when the run takes its last batch (stop_training), not one that comes af
     # the run took its last batch (stop_training): the training request running stops, one sent later runs
     assert ray_session.get(w.set_adapter.remote(4, random_adapter(hf, seed=6))) == 4
     doomed, _ = w.rollout.options(num_returns=2).remote(it[0])
-    deadline = time.time() + 60  # in the engine before the word (which stops nothing that comes after it)
-    while not ray_session.get(w.__ray_call__.remote(lambda self: len(self.loop._running))) and time.time() < deadline:
-        time.sleep(0.05)
+    in_engine(ray_session, w)  # before the word, which stops nothing that comes after it
     w.stop_training.remote()
     meta = ray_session.get(doomed, timeout=20)
     assert meta["stale_version"] == 4 and "last batch" in meta["failure"], meta
