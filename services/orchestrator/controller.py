@@ -373,6 +373,9 @@ class Controller:
             if self._batches_left() == 1:
                 self.progress.all_taken = True
                 self.pool.stop_training()
+                if left := self.pool.in_flight() + len(self.buffer):
+                    say(f"tandem: the run's last batch is taken; the {left} prompt(s) out past it stop and stay in "
+                        "the last checkpoint (a resume with more steps hands them out first)")
             else:
                 self.pool.trainable_from(self.version + 1 - k)
         return training

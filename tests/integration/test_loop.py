@@ -166,9 +166,12 @@ def test_the_runs_last_batch_takes_what_comes_back_first_and_leaves_the_rest_to_
     cfg = loop_job(tmp_path, tiny_model, 1, batch={"max_steps": 3}, checkpoint={"save_steps": 2})
     a = started(Controller(cfg))
     U = a.plan.unique_prompts
-    while not a.step()["done"]:
-        pass
+    said = []
+    while not (r := a.step())["done"]:
+        said += r["notices"]
+    said += r["notices"]
     left = sorted(pending(a))
+    assert f"the {U} prompt(s) out past it stop and stay in the last checkpoint" in "".join(said), said
     assert len(left) == U and not set(left) & {(e, i) for e, i, _ in a.seen}
     assert a.counters["stale_stopped"] == a.counters["stale_dropped"] == 0
     check_accounting(a, 16)
