@@ -225,24 +225,22 @@ class EngineLoop:
             else:
                 batch.append(cmd)
         if stop_training:
-            batch = self._stop_training(batch)
+            self._stop_training()
         self._stop_stale()
         self._step(batch)
 
-    def _stop_training(self, batch: list[Sample]) -> list[Sample]:
-        """StopTraining on an engine that can stop a request: every training request running stops, and one not
-        started yet (waiting for its version, or in this turn's batch) fails before it starts. -> the batch less
-        those."""
+    def _stop_training(self) -> None:
+        """StopTraining on an engine that can stop a request (a streaming one: what arrived this turn is running
+        already): every training request running stops, and one waiting for its version fails before it starts."""
         if not self.engine.can_abort:
-            return batch
+            return
         for key, req in list(self._running.items()):
             if stoppable(req, req.hold):
                 self._abort(key, RunEnded(req.version))
-        for s in self._early + batch:
+        for s in self._early:
             if stoppable(s.request, s.hold):
                 s.request.fail(RunEnded(s.request.min_version))
         self._early = [s for s in self._early if not stoppable(s.request, s.hold)]
-        return [s for s in batch if not stoppable(s.request, s.hold)]
 
     def _stop_stale(self) -> None:
         """Requests that can no longer be trained (the module's docstring) stopped and failed with StaleRequest."""
