@@ -127,11 +127,11 @@ TANDEM = {"tandem_k0": (0, "server", True), "tandem_k1": (1, "server", True), "t
 # the same job on two Ray nodes of this machine (run_tandem_nodes): max_staleness
 TANDEM_NODES = {"tandem_k1_nodes": 1}
 TRL_VLLM_MEMORY = 0.3  # GRPOConfig's vllm_gpu_memory_utilization
-# Tandem's run goes one step past the measured ones: at max_staleness >= 1 the run's last batch waits for the slowest
-# completions of every prompt still out (each one handed out is trained: none is dropped at the end), where in a long
-# run the batches take the groups that finished first. A run does that once; measured over a few steps it would weigh
-# as one step in four (the 1.5B long tail's last steps ran 13.6-21.3 s against 4-8 s before). Its time is reported
-# (end_step_s), not averaged in; TRL's trainers stop without waiting for what they have not trained.
+# Tandem's run goes one step past the measured ones, its time reported (end_step_s), not averaged in: the run's end is
+# one step a run takes once, which over a few measured steps would weigh as one in four. Before the run-end hand-out
+# (services/orchestrator/pipeline.py) the last batch at max_staleness >= 1 waited for the slowest completions of every
+# prompt still out (the 1.5B long tail's last steps ran 13.6-21.3 s against 4-8 s before); kept so that results from
+# before and after that change compare. TRL's trainers stop without waiting for what they have not trained.
 END_STEPS = 1
 KEYS = ("s_per_step", "gen_s_per_step", "train_s_per_step", "completions_per_s", "gen_tokens_per_s",
         "gpu_busy_frac", "peak_gpu_gib", "publish_latency_s")
