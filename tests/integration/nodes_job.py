@@ -1,8 +1,9 @@
 """A job on a Ray cluster of three nodes on this machine (ray.cluster_utils.Cluster, what Ray's own tests use): the
 head holds the controller, a node with a `learner` resource the learner (its rendezvous on that node, not the
-driver's), two nodes with a `rollout` resource hold one rollout worker each. After the second cycle one rollout node is removed, while groups it scored wait in its object store (they
-are kept out of the owner's memory: max_direct_call_object_size). Run by tests/integration/test_nodes.py in a process
-of its own (one Ray per process); prints one JSON line of what happened.
+driver's), two nodes with a `rollout` resource hold one rollout worker each. After the second cycle one rollout node
+is removed while a group it scored, one a coming batch trains on, waits in its object store (groups are kept out of
+the owner's memory: max_direct_call_object_size). Run by tests/integration/test_nodes.py in a process of its own
+(one Ray per process); prints one JSON line of what happened.
 
     python -m tests.integration.nodes_job RUN_DIR MODEL_DIR"""
 
@@ -47,10 +48,11 @@ def main(run_dir: str, model: str) -> None:
     while True:
         r = ctl.step()
         steps += [s["step"] for s in r["steps"]]
-        if len(steps) == 2:  # the node holding a scored group that waits for the next cycle goes
-            while not ctl.buffer.groups:
+        if len(steps) == 2:  # the node holding a scored group that a coming batch will train on goes
+            ref = None  # sampled with the version just published: fresh for the next two batches (an older one may
+            while ref is None:  # go stale first, and be sampled again without anyone fetching it)
                 ctl._gather(2 * ctl.plan.unique_prompts, timeout=1.0)
-            ref = ctl.buffer.groups[0][1]
+                ref = next((r for m, r in ctl.buffer.groups if m["version"] >= ctl.version), None)
             where = ray.experimental.get_object_locations([ref])[ref]["node_ids"]
             victim = next(n for n in rollout_nodes if n.node_id in where)
             cluster.remove_node(victim, allow_graceful=False)

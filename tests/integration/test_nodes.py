@@ -13,11 +13,11 @@ pytestmark = pytest.mark.integration
 
 
 def test_a_lost_rollout_node_costs_its_worker_and_groups_not_the_job(tmp_path, tiny_model):
-    """Controller on the head, the learner on a node of its own, two rollout nodes, max_staleness 1; one rollout node removed after cycle 2
-    with groups it scored in its object store. The job is not restarted: the worker is replaced (its replacement
-    waits for a node with `rollout` free, said in a line, while the job goes on with the other worker), the lost
-    groups are sampled again before anything trains on them, and every cycle trains unique_prompts groups, none
-    twice, each within the staleness bound."""
+    """Controller on the head, the learner on a node of its own, two rollout nodes, max_staleness 1; one rollout
+    node removed after cycle 2 with a group it scored in its object store, one that a coming batch trains on. The job
+    is not restarted: the worker is replaced (its replacement waits for a node with `rollout` free, said in a line,
+    while the job goes on with the other worker), the lost groups are sampled again before anything trains on them,
+    and every cycle trains unique_prompts groups, none twice, each within the staleness bound."""
     r, said = run_job_script("tests.integration.nodes_job", str(tmp_path), tiny_model)
     assert r["workers_on_nodes"] == 2  # one worker on each rollout node
     assert r["learner_on_its_node"]
@@ -26,7 +26,7 @@ def test_a_lost_rollout_node_costs_its_worker_and_groups_not_the_job(tmp_path, t
     assert all(0 <= lag <= 1 for cycle in r["lags"] for lag in cycle), r["lags"]
     assert r["accounting"] == "ok", r["accounting"]
     # the lost worker (its calls may first fail as "unavailable", then as dead: one replacement or two)
-    assert 1 <= r["counters"]["worker_failures"] <= 2 and r["counters"]["groups_lost"] >= 1, (r["counters"], said)
+    assert 1 <= r["counters"]["worker_failures"] <= 2 and r["counters"].get("groups_lost", 0) >= 1, (r["counters"], said)
     assert any("rollout worker" in s and "died" in s and "replaced (1 in a row)" in s for s in said), said
     assert any("not serving after" in s and "'rollout': 1.0" in s and "goes on with 1 worker(s)" in s
                for s in said), said
