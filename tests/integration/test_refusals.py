@@ -174,6 +174,7 @@ def test_each_refusal_is_one_true_line(ray_session, tmp_path, tiny_model, capsys
     finally:
         holder.kill()
         holder.wait()
+        holder.stdout.close()
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"tandem: logging.output_dir = '{tmp_path / 'run'}': a job is already running in it (pid "
                           f"{holder.pid} on "), err
