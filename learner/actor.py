@@ -132,8 +132,8 @@ class Learner:
         store's port), which every rank's setup() takes."""
         import ray
 
-        self.store, port = open_store(self.world)
-        return ray.util.get_node_ip_address(), port
+        self.store = open_store(self.world)
+        return ray.util.get_node_ip_address(), self.store.port
 
     def setup(self, address: tuple[str, int] | None = None) -> int:
         """`address`: rank 0's rendezvous(); None for a group of one rank."""

@@ -12,12 +12,12 @@ import torch
 
 
 def open_store(world: int):
-    """Rank 0's store, listening on every interface of this node at a port the kernel picked. -> (store, port)."""
+    """Rank 0's store, listening on every interface of this node at a port the kernel picked (its `.port`)."""
     import torch.distributed as dist
     from torch.distributed.constants import default_pg_timeout
 
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=default_pg_timeout)
-    return store, store.port
+    return store
 
 
 def join_process_group(rank: int, world: int, address: tuple[str, int] | None, store=None) -> None:
@@ -32,7 +32,7 @@ def join_process_group(rank: int, world: int, address: tuple[str, int] | None, s
     if rank == 0 and store is None:
         if world != 1:
             raise ValueError(f"learner rank 0 of {world}: no store; Learner.rendezvous() opens it before setup()")
-        store, _ = open_store(1)
+        store = open_store(1)
     if rank != 0:
         if address is None:
             raise ValueError(f"learner rank {rank} of {world}: setup() needs rank 0's rendezvous address (host, port)")

@@ -237,10 +237,12 @@ class EngineLoop:
         for key, req in list(self._running.items()):
             if stoppable(req, req.hold):
                 self._abort(key, RunEnded(req.version))
-        for s in self._early:
+        waiting, self._early = self._early, []
+        for s in waiting:
             if stoppable(s.request, s.hold):
                 s.request.fail(RunEnded(s.request.min_version))
-        self._early = [s for s in self._early if not stoppable(s.request, s.hold)]
+            else:
+                self._early.append(s)
 
     def _stop_stale(self) -> None:
         """Requests that can no longer be trained (the module's docstring) stopped and failed with StaleRequest."""

@@ -49,10 +49,10 @@ def main(run_dir: str, model: str) -> None:
         r = ctl.step()
         steps += [s["step"] for s in r["steps"]]
         if len(steps) == 2:  # the node holding a scored group that a coming batch will train on goes
-            ref = None  # sampled with the version just published: fresh for the next two batches (an older one may
-            while ref is None:  # go stale first, and be sampled again without anyone fetching it)
+            # one sampled with the version just published: fresh for the next two batches (an older one may go stale
+            # first, and be sampled again without anyone fetching it)
+            while (ref := next((r for m, r in ctl.buffer.groups if m["version"] >= ctl.version), None)) is None:
                 ctl._gather(2 * ctl.plan.unique_prompts, timeout=1.0)
-                ref = next((r for m, r in ctl.buffer.groups if m["version"] >= ctl.version), None)
             where = ray.experimental.get_object_locations([ref])[ref]["node_ids"]
             victim = next(n for n in rollout_nodes if n.node_id in where)
             cluster.remove_node(victim, allow_graceful=False)

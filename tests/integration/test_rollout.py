@@ -268,7 +268,7 @@ def test_publishing_and_a_running_request(ray_session, hf, tiny_model, tmp_path,
     log-probs the base model's: weights swapped mid-request would give the adapter's for the rest), the
     next one samples with the new adapter as transformers does. A training group's request that a publish leaves
     past max_staleness is stopped, and so is one the controller says no training will take (trainable_from), and one
-running when the run takes its last batch (stop_training), not one that comes after."""
+    running when the run takes its last batch (stop_training), not one that comes after."""
     job = make_job(tmp_path, tiny_model, [REWARD], generation={"max_completion_length": 900, "max_prompt_length": 64},
                    batch={"num_generations": 8, "per_device_train_batch_size": 8},
                    cluster={"vllm_merge_adapter": merged})
