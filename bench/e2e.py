@@ -851,6 +851,20 @@ def pipeline_efficiency(run: dict, synchronous: dict | None) -> float | None:
     return run["s_per_step"] / max(synchronous["generate_wait_s"], synchronous["train_s_per_step"])
 
 
+def pipeline_efficiency_tokens(run: dict, synchronous: dict | None) -> float | None:
+    """The same counted in trained completion tokens: the `max_staleness: 0` run's tokens a step over the larger of
+    its generation alone and its training alone, against the candidate's tokens a second. An asynchronous batch takes
+    the groups that finish first, so in a short run it trains shorter completions than a synchronous one, and its
+    step time alone reads better than its work; the tokens do not depend on that mix. Equal to pipeline_efficiency
+    for the `max_staleness: 0` run itself."""
+    if pipeline_efficiency(run, synchronous) is None or not run.get("gen_tokens_per_s") \
+            or not synchronous.get("gen_tokens_per_s"):
+        return None
+    per_step = synchronous["gen_tokens_per_s"] * synchronous["s_per_step"]
+    alone = per_step / max(synchronous["generate_wait_s"], synchronous["train_s_per_step"])
+    return alone / run["gen_tokens_per_s"]
+
+
 def sharing_speeds(run: dict, synchronous: dict | None) -> dict:
     """What sharing the device costs each side, against the `max_staleness: 0` run (where each runs alone): the
     engine's trained tokens a second of its busy time (tokens a second over the share of the run it had requests),
@@ -871,23 +885,31 @@ def table(out_dir: Path, names: list[str], ceiling: str | None, peer: str) -> st
     c = {n: json.loads((out_dir / f"{n}.json").read_text()) for n in names if (out_dir / f"{n}.json").is_file()}
     for r in c.values():
         r["pipeline_efficiency"] = pipeline_efficiency(r, c.get("tandem_k0"))
+        r["pipeline_efficiency_tokens"] = pipeline_efficiency_tokens(r, c.get("tandem_k0"))
         r.update(sharing_speeds(r, c.get("tandem_k0")))
     fmt = lambda v, p=2: "—" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
     cpu = any(r.get("pss_gb") is not None for r in c.values())  # CPU: memory as PSS, launch time, cores
     extra = " launch → first step s | peak PSS GB | cores > 50% |" if cpu else ""
-    lines = ["| candidate | s/step | gen s/step | train s/step | pipeline efficiency | engine × alone | learner × alone "
-             "| completions/s | × " + ASYNC_PEER + " | × " + peer + " | gen tok/s | × ceiling | GPU busy | peak GPU GiB "
-             "| publish s |" + extra, "|" + " --- |" * (18 if cpu else 15)]
+    # gen tok/s: completion tokens trained a second, as each candidate counts them (the tokens' ratio beside the
+    # completions': the candidates may train different mixes of lengths)
+    lines = ["| candidate | s/step | gen s/step | train s/step | pipeline efficiency | (by tokens) | engine × alone "
+             "| learner × alone | completions/s | × " + ASYNC_PEER + " | × " + peer + " | gen tok/s | tok × " + ASYNC_PEER
+             + " | × ceiling | GPU busy | peak GPU GiB | publish s |" + extra, "|" + " --- |" * (20 if cpu else 17)]
     for n, r in c.items():
         x_peer = r["completions_per_s"] / c[peer]["completions_per_s"] if peer in c else None
         x_async = r["completions_per_s"] / c[ASYNC_PEER]["completions_per_s"] if ASYNC_PEER in c else None
+        tok_async = (r["gen_tokens_per_s"] / c[ASYNC_PEER]["gen_tokens_per_s"]
+                     if ASYNC_PEER in c and r.get("gen_tokens_per_s") and c[ASYNC_PEER].get("gen_tokens_per_s")
+                     else None)
         x_ceil = (r["gen_tokens_per_s"] / c[ceiling]["gen_tokens_per_s"]
                   if ceiling in c and r.get("gen_tokens_per_s") and n != ceiling else None)
         row = (f"| {n} | {fmt(r['s_per_step'], 3)} | {fmt(r.get('gen_s_per_step'))} | "
                f"{fmt(r.get('train_s_per_step'))} | {fmt(r.get('pipeline_efficiency'))} | "
+               f"{fmt(r.get('pipeline_efficiency_tokens'))} | "
                f"{fmt(r.get('engine_x_alone'))} | {fmt(r.get('learner_x_alone'))} | "
                f"{fmt(r['completions_per_s'], 1)} | {fmt(x_async)} | {fmt(x_peer)} | "
-               f"{fmt(r.get('gen_tokens_per_s'), 0)} | {fmt(x_ceil)} | {fmt(r.get('gpu_busy_frac'))} | "
+               f"{fmt(r.get('gen_tokens_per_s'), 0)} | {fmt(tok_async)} | {fmt(x_ceil)} | "
+               f"{fmt(r.get('gpu_busy_frac'))} | "
                f"{fmt(r.get('peak_gpu_gib'), 1)} | {fmt(r.get('publish_latency_s'), 3)} |")
         if cpu:
             row += (f" {fmt(r.get('launch_to_first_step_s'), 1)} | {fmt(r.get('pss_gb'))} |"

@@ -1,0 +1,67 @@
+"""The GPU benchmark's derived figures (bench/e2e.py): pipeline_efficiency in seconds and in trained tokens, and the
+table's ratios against the asynchronous peer, each against the arithmetic written out here."""
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "bench" / "e2e.py")
+    mod = importlib.util.module_from_spec(spec)
+    path = list(sys.path)
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path[:] = path  # the script puts bench/ first (its own imports); the other tests import nothing from it
+    return mod
+
+
+# A synchronous run: 10 s a step, of which 8 s waiting for generation and 2 s training; 5,000 completion tokens
+# trained a second, so 50,000 a step, made in 8 s of generation alone (6,250 a second).
+K0 = {"s_per_step": 10.0, "generate_wait_s": 8.0, "train_s_per_step": 2.0, "gen_tokens_per_s": 5000.0,
+      "completions_per_s": 12.8}
+# An asynchronous one that steps in 6 s but trains shorter completions: 6,000 tokens a second.
+K1 = {"s_per_step": 6.0, "gen_tokens_per_s": 6000.0, "completions_per_s": 21.3}
+PEER = {"s_per_step": 9.0, "gen_tokens_per_s": 3000.0, "completions_per_s": 14.2}
+
+
+def test_pipeline_efficiency_in_seconds_and_in_tokens(e2e):
+    assert e2e.pipeline_efficiency(K1, K0) == pytest.approx(6.0 / 8.0)
+    # tokens: the synchronous engine alone made 50,000 / 8 = 6,250 a second; the candidate trains 6,000 a second
+    assert e2e.pipeline_efficiency_tokens(K1, K0) == pytest.approx(6250 / 6000)
+    # the synchronous run against itself reads the same either way (its tokens are its own mix)
+    assert e2e.pipeline_efficiency_tokens(K0, K0) == pytest.approx(e2e.pipeline_efficiency(K0, K0)) \
+        == pytest.approx(10.0 / 8.0)
+    # training the larger: the bound is the training alone
+    slow_learner = dict(K0, generate_wait_s=1.0, train_s_per_step=4.0)
+    assert e2e.pipeline_efficiency(K1, slow_learner) == pytest.approx(6.0 / 4.0)
+    assert e2e.pipeline_efficiency_tokens(K1, slow_learner) == pytest.approx(50000 / 4.0 / 6000)
+
+
+def test_no_efficiency_without_a_synchronous_run_or_tokens(e2e):
+    assert e2e.pipeline_efficiency(K1, None) is None
+    assert e2e.pipeline_efficiency_tokens(K1, None) is None
+    assert e2e.pipeline_efficiency_tokens(dict(K1, gen_tokens_per_s=None), K0) is None
+    assert e2e.pipeline_efficiency_tokens(K1, dict(K0, gen_tokens_per_s=None)) is None
+
+
+def test_the_table_shows_both_ratios_against_the_asynchronous_peer(e2e, tmp_path):
+    for name, run in {"tandem_k0": K0, "tandem_k1": K1, "trl_async": PEER}.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(run))
+    text, runs = e2e.table(tmp_path, ["tandem_k0", "tandem_k1", "trl_async"], None, "trl_colocate")
+    head, rule, *rows = text.splitlines()
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    assert len(cols) == rule.count("---")
+    row = dict(zip(cols, [c.strip() for c in rows[1].strip("|").split("|")]))
+    assert row["candidate"] == "tandem_k1"
+    assert row["× trl_async"] == f"{21.3 / 14.2:.2f}"
+    assert row["tok × trl_async"] == f"{6000 / 3000:.2f}"
+    assert row["pipeline efficiency"] == f"{6.0 / 8.0:.2f}"
+    assert row["(by tokens)"] == f"{6250 / 6000:.2f}"
+    assert runs["tandem_k1"]["pipeline_efficiency_tokens"] == pytest.approx(6250 / 6000)
