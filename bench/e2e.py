@@ -267,13 +267,16 @@ def longtail_warm_up(model_dir: Path, wl: dict) -> None:
 
 
 def gpu_sampler():
-    """(stop() -> {busy_frac, peak_gib}) from nvidia-smi every 0.2 s, or None without one."""
+    """(stop() -> {busy_frac, peak_gib, peak GiB by process}) from nvidia-smi every 0.2 s (the processes' every
+    second), or None without one."""
     try:
         p = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits",
                               "-lms", "200"], stdout=subprocess.PIPE, text=True)
+        apps = subprocess.Popen(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits",
+                                 "-lms", "1000"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     except FileNotFoundError:
         return None
-    util, mem = [], []
+    util, mem, by_process = [], [], {}
 
     def read():
         for line in p.stdout:
@@ -283,14 +286,55 @@ def gpu_sampler():
                 continue
             util.append(u)
             mem.append(m)
+
+    def read_apps():
+        for line in apps.stdout:
+            if seen := gpu_process(line):
+                name = f"{process_role(seen[0])} [{seen[0]}]"
+                by_process[name] = max(by_process.get(name, 0.0), seen[1])
     threading.Thread(target=read, daemon=True).start()
+    threading.Thread(target=read_apps, daemon=True).start()
 
     def stop():
         p.terminate()
+        apps.terminate()
         # utilization.gpu: the share of each sample period with a kernel running; its mean is the busy fraction
         return {"gpu_busy_frac": (sum(util) / len(util) / 100) if util else None,
-                "peak_gpu_gib": (max(mem) / 1024) if mem else None}
+                "peak_gpu_gib": (max(mem) / 1024) if mem else None,
+                # where the peak goes: each process's own peak (their sum can exceed the whole's: not all at once)
+                "peak_gpu_gib_by_process": {k: v / 1024 for k, v in sorted(by_process.items())} or None}
     return stop
+
+
+def gpu_process(line: str) -> tuple[int, float] | None:
+    """(pid, MiB) from one line of `nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits`;
+    None for anything else (a header, a blank, "[N/A]" where the driver does not say)."""
+    try:
+        pid, mib = (x.strip() for x in line.split(","))
+        return int(pid), float(mib)
+    except ValueError:
+        return None
+
+
+def process_role(pid: int) -> str:
+    """A GPU process by what it runs: Ray's title for an actor (`ray::RolloutWorker.generate` -> `RolloutWorker`),
+    else the program (vLLM's engine core by its own title) and its script's name; "?" where /proc does not show it
+    (another pid namespace)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    return role_of(" ".join(a.decode(errors="replace") for a in argv if a))
+
+
+def role_of(cmdline: str) -> str:
+    """The role in a process's command line (process_role)."""
+    first = cmdline.split(" ")[0] if cmdline else ""
+    if first.startswith("ray::"):
+        return first[5:].split(".")[0] or "ray"
+    words = cmdline.split()
+    script = next((Path(w).name for w in words[1:] if w.endswith(".py")), None)
+    return f"{Path(first).name} {script}" if script else (Path(first).name or "unknown")
 
 
 def tree_pss_gb() -> float:
@@ -993,7 +1037,8 @@ def main():
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(res, indent=1))
     print(json.dumps({k: res.get(k) for k in KEYS + ("launch_to_first_step_s", "start_s", "pss_gb", "rollout_busy_frac",
-                                                       "learner_mfu", "reward_first", "reward_last")}), flush=True)
+                                                       "learner_mfu", "reward_first", "reward_last",
+                                                       "peak_gpu_gib_by_process")}), flush=True)
 
 
 if __name__ == "__main__":

@@ -65,3 +65,17 @@ def test_the_table_shows_both_ratios_against_the_asynchronous_peer(e2e, tmp_path
     assert row["pipeline efficiency"] == f"{6.0 / 8.0:.2f}"
     assert row["(by tokens)"] == f"{6250 / 6000:.2f}"
     assert runs["tandem_k1"]["pipeline_efficiency_tokens"] == pytest.approx(6250 / 6000)
+
+
+def test_where_the_gpu_peak_goes_names_each_process_by_its_role(e2e):
+    assert e2e.gpu_process("12345, 20480\n") == (12345, 20480.0)
+    assert e2e.gpu_process("12345, [N/A]") is None and e2e.gpu_process("") is None
+    assert e2e.gpu_process("pid, used_gpu_memory [MiB]") is None
+    assert e2e.role_of("ray::RolloutWorker.generate") == "RolloutWorker"
+    assert e2e.role_of("ray::LearnerActor") == "LearnerActor"
+    assert e2e.role_of("VLLM::EngineCore") == "VLLM::EngineCore"
+    assert e2e.role_of("/usr/bin/python3 -m vllm.entrypoints.cli.main serve /m") == "python3"
+    assert e2e.role_of("/usr/bin/python3 bench/e2e.py run trl_async") == "python3 e2e.py"
+    import os
+    assert e2e.process_role(os.getpid()).startswith("python")  # this test's own process, through /proc
+    assert e2e.process_role(2 ** 22 + 1) == "?"  # above any pid_max: not there
