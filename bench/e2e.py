@@ -289,8 +289,8 @@ def gpu_sampler():
 
     def read_apps():
         for line in apps.stdout:
-            if seen := gpu_process(line):
-                name = f"{process_role(seen[0])} [{seen[0]}]"
+            if (seen := gpu_process(line)) and (role := process_role(seen[0])) != "unknown":  # not yet exec'd
+                name = f"{role} [{seen[0]}]"
                 by_process[name] = max(by_process.get(name, 0.0), seen[1])
     threading.Thread(target=read, daemon=True).start()
     threading.Thread(target=read_apps, daemon=True).start()

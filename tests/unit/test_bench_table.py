@@ -3,7 +3,10 @@ table's ratios against the asynchronous peer, each against the arithmetic writte
 
 import importlib.util
 import json
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -76,6 +79,14 @@ def test_where_the_gpu_peak_goes_names_each_process_by_its_role(e2e):
     assert e2e.role_of("VLLM::EngineCore") == "VLLM::EngineCore"
     assert e2e.role_of("/usr/bin/python3 -m vllm.entrypoints.cli.main serve /m") == "python3"
     assert e2e.role_of("/usr/bin/python3 bench/e2e.py run trl_async") == "python3 e2e.py"
-    import os
-    assert e2e.process_role(os.getpid()).startswith("python")  # this test's own process, through /proc
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:  # a live process, read through /proc once its command line is there (it is empty for a moment at its start)
+        cmdline = Path(f"/proc/{child.pid}/cmdline")
+        deadline = time.time() + 10
+        while not cmdline.read_bytes() and time.time() < deadline:
+            time.sleep(0.01)
+        assert e2e.process_role(child.pid) == Path(sys.executable).name
+    finally:
+        child.kill()
+        child.wait()
     assert e2e.process_role(2 ** 22 + 1) == "?"  # above any pid_max: not there
