@@ -289,7 +289,7 @@ def gpu_sampler():
 
     def read_apps():
         for line in apps.stdout:
-            if (seen := gpu_process(line)) and (role := process_role(seen[0])) != "unknown":  # not yet exec'd
+            if (seen := gpu_process(line)) and (role := process_role(seen[0])):  # "": not yet exec'd
                 name = f"{role} [{seen[0]}]"
                 by_process[name] = max(by_process.get(name, 0.0), seen[1])
     threading.Thread(target=read, daemon=True).start()
@@ -328,13 +328,13 @@ def process_role(pid: int) -> str:
 
 
 def role_of(cmdline: str) -> str:
-    """The role in a process's command line (process_role)."""
+    """The role in a process's command line (process_role); "" for an empty one."""
     first = cmdline.split(" ")[0] if cmdline else ""
     if first.startswith("ray::"):
         return first[5:].split(".")[0] or "ray"
     words = cmdline.split()
     script = next((Path(w).name for w in words[1:] if w.endswith(".py")), None)
-    return f"{Path(first).name} {script}" if script else (Path(first).name or "unknown")
+    return f"{Path(first).name} {script}" if script else Path(first).name
 
 
 def tree_pss_gb() -> float:
@@ -909,6 +909,11 @@ def pipeline_efficiency_tokens(run: dict, synchronous: dict | None) -> float | N
     return alone / run["gen_tokens_per_s"]
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None where either is missing (or b is 0)."""
+    return a / b if a and b else None
+
+
 def sharing_speeds(run: dict, synchronous: dict | None) -> dict:
     """What sharing the device costs each side, against the `max_staleness: 0` run (where each runs alone): the
     engine's trained tokens a second of its busy time (tokens a second over the share of the run it had requests),
@@ -916,7 +921,6 @@ def sharing_speeds(run: dict, synchronous: dict | None) -> dict:
     pair gets out of the device: 2.0 would be two devices."""
     if not synchronous or run is synchronous:
         return {}
-    ratio = lambda a, b: a / b if a and b else None  # noqa: E731
     busy = lambda r: ratio(r.get("gen_tokens_per_s"), r.get("rollout_busy_frac"))  # noqa: E731
     return {"engine_x_alone": ratio(busy(run), busy(synchronous)),
             "learner_x_alone": ratio(synchronous.get("learner_forwards_s"), run.get("learner_forwards_s"))}
@@ -942,9 +946,7 @@ def table(out_dir: Path, names: list[str], ceiling: str | None, peer: str) -> st
     for n, r in c.items():
         x_peer = r["completions_per_s"] / c[peer]["completions_per_s"] if peer in c else None
         x_async = r["completions_per_s"] / c[ASYNC_PEER]["completions_per_s"] if ASYNC_PEER in c else None
-        tok_async = (r["gen_tokens_per_s"] / c[ASYNC_PEER]["gen_tokens_per_s"]
-                     if ASYNC_PEER in c and r.get("gen_tokens_per_s") and c[ASYNC_PEER].get("gen_tokens_per_s")
-                     else None)
+        tok_async = ratio(r.get("gen_tokens_per_s"), c.get(ASYNC_PEER, {}).get("gen_tokens_per_s"))
         x_ceil = (r["gen_tokens_per_s"] / c[ceiling]["gen_tokens_per_s"]
                   if ceiling in c and r.get("gen_tokens_per_s") and n != ceiling else None)
         row = (f"| {n} | {fmt(r['s_per_step'], 3)} | {fmt(r.get('gen_s_per_step'))} | "

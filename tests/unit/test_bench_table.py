@@ -77,6 +77,7 @@ def test_where_the_gpu_peak_goes_names_each_process_by_its_role(e2e):
     assert e2e.role_of("ray::RolloutWorker.generate") == "RolloutWorker"
     assert e2e.role_of("ray::LearnerActor") == "LearnerActor"
     assert e2e.role_of("VLLM::EngineCore") == "VLLM::EngineCore"
+    assert e2e.role_of("") == ""  # a process not yet exec'd: the sampler reads it again a second later
     assert e2e.role_of("/usr/bin/python3 -m vllm.entrypoints.cli.main serve /m") == "python3"
     assert e2e.role_of("/usr/bin/python3 bench/e2e.py run trl_async") == "python3 e2e.py"
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
