@@ -16,8 +16,7 @@ def open_store(world: int):
     import torch.distributed as dist
     from torch.distributed.constants import default_pg_timeout
 
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=default_pg_timeout)
-    return store
+    return dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=default_pg_timeout)
 
 
 def join_process_group(rank: int, world: int, address: tuple[str, int] | None, store=None) -> None:
