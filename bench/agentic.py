@@ -1,4 +1,4 @@
-"""The agentic benchmark: tool-calling GRPO, side by side on one workload. Tandem `max_staleness` 0 and 1 (`tools:`),
+"""The agentic benchmark: tool-calling GRPO, side by side on one workload. Tandem `max_staleness` 0, 1 and 4 (`tools:`),
 TRL's `GRPOTrainer(tools=[add])` with vLLM colocated (TRL's tool loop as its users run it) and TRL's
 `AsyncGRPOTrainer(tools=[add])` beside a vLLM server on the same GPU (`trl_async`, bench/e2e.py), the same model, data,
 tool, reward, LoRA, batch and sampling. The model has Qwen2.5-0.5B's shape and vocabulary size with Qwen2.5's chat
@@ -36,7 +36,8 @@ WORKLOADS = {
                 prompts=2, num_generations=8, max_tokens=200, per_device=16, ga=1, steps=4, warmup=1, lr=1e-4,
                 max_iterations=4, sft_steps=120, sft_batch=8, sft_lr=3e-3),
 }
-CANDIDATES = ("tandem_k0", "tandem_k1", "trl_tools", "trl_async")
+# tandem_k4: the staleness bound trl_async runs at by default (bench/e2e.py TRL_ASYNC_STALENESS)
+CANDIDATES = ("tandem_k0", "tandem_k1", "tandem_k4", "trl_tools", "trl_async")
 
 
 # ------------------------------------------------------------------------------------ workload

@@ -282,8 +282,9 @@ class ClusterConfig(_Section):
     max_staleness: int = Field(0, ge=0, le=16, description="policy versions a group may lag; 0 = synchronous")
     rollout_prompts_in_flight: int | None = Field(
         None, ge=1, description="prompts kept in each rollout engine at once; null = the engine's throughput plateau: "
-        "vllm_max_num_seqs, else 256 sequences on a GPU (128 on a CPU), over num_generations; max_staleness may keep "
-        "fewer there (k + 1 batches outstanding at most)")
+        "vllm_max_num_seqs, else 256 sequences on a GPU (128 on a CPU), over num_generations; with tools or an "
+        "environment, as many as max_staleness lets out (an episode waiting on a tool holds no sequence in the "
+        "engine); max_staleness may keep fewer there (k + 1 batches outstanding at most)")
     vllm_enforce_eager: bool | None = Field(
         None, description="vLLM without CUDA graphs; null = eager on CPU, CUDA graphs on GPU")
     vllm_gpu_memory_utilization: float | Literal["auto"] = Field(

@@ -22,22 +22,39 @@ PLATEAU_SEQUENCES = {"gpu": 256, "cpu": 128}
 
 def prompts_in_flight(cfg) -> int:
     """Prompts the controller keeps at most in each worker's engine: `cluster.rollout_prompts_in_flight`, or as
-    many groups as reach the engine's plateau (`vllm_max_num_seqs`, else PLATEAU_SEQUENCES, over num_generations).
-    The staleness bound may keep fewer there (services/orchestrator/pipeline.py: k + 1 batches outstanding at most)."""
+    many groups as reach the engine's plateau (`plateau_prompts`); for a job whose episodes call tools, as many as
+    the staleness bound lets out (an episode waiting on a tool holds no sequence in the engine: capped at the
+    plateau, a tool-bound job left the engine 0.6 of the time idle on one H100, bench/results/agentic_gpu.md). The
+    staleness bound may keep fewer there (services/orchestrator/pipeline.py: k + 1 batches outstanding at most)."""
     c = cfg.cluster
     if c.rollout_prompts_in_flight is not None:
         return c.rollout_prompts_in_flight
+    if episodes_call_tools(cfg):
+        return BatchPlan.from_config(cfg).unique_prompts * (c.max_staleness + 1)
+    return plateau_prompts(cfg)
+
+
+def plateau_prompts(cfg) -> int:
+    """Groups whose sequences reach the engine's plateau: `vllm_max_num_seqs`, else PLATEAU_SEQUENCES, over
+    num_generations."""
+    c = cfg.cluster
     seqs = c.vllm_max_num_seqs or PLATEAU_SEQUENCES["gpu" if c.rollout_resources.num_gpus > 0 else "cpu"]
     return max(1, seqs // cfg.batch.num_generations)
+
+
+def episodes_call_tools(cfg) -> bool:
+    """Episodes of several turns with tool calls between them (`tools:` or `environment:`)."""
+    return bool(cfg.tools) or cfg.environment is not None
 
 
 def sequences_in_engine(cfg, default_max: int | None = None) -> int:
     """The most sequences one engine runs at once: the controller's prompts in flight, and never more than
     max_staleness + 1 cycles' unique_prompts (what the controller hands out ahead: services/orchestrator/
-    controller.py), times the group size; no more than `vllm_max_num_seqs` (or `default_max` where that is not set;
-    vLLM queues the rest)."""
+    controller.py), times the group size; with tools, no more than the plateau's (between turns an episode holds
+    none); no more than `vllm_max_num_seqs` (or `default_max` where that is not set; vLLM queues the rest)."""
     ahead = BatchPlan.from_config(cfg).unique_prompts * (cfg.cluster.max_staleness + 1)
-    seqs = min(prompts_in_flight(cfg), ahead) * cfg.batch.num_generations
+    held = min(prompts_in_flight(cfg), plateau_prompts(cfg)) if episodes_call_tools(cfg) else prompts_in_flight(cfg)
+    seqs = min(held, ahead) * cfg.batch.num_generations
     m = cfg.cluster.vllm_max_num_seqs or default_max
     return min(seqs, m) if m else seqs
 

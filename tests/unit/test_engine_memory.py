@@ -10,6 +10,7 @@ from tandem.core.engine_memory import (
     engine_bytes,
     engine_kv_bytes,
     kv_bytes_per_token,
+    prompts_in_flight,
     sequences_in_engine,
     weight_bytes,
 )
@@ -79,6 +80,22 @@ def test_auto_holds_every_sequence_the_controller_keeps_in_the_engine_at_full_le
     # a share set by hand; auto of a model whose shape is unknown: TRL's 0.3
     assert engine_bytes(job(share=0.5), QWEN_1_5B, 140 * GIB) == 70 * GIB
     assert engine_bytes(job(), {"hidden_size": 1536}, 140 * GIB) == int(0.3 * 140 * GIB)
+
+
+def test_a_job_with_tools_hands_out_what_the_staleness_bound_allows_and_sizes_the_engine_by_its_plateau():
+    def tools(**cluster):
+        cfg = job(**cluster)
+        return cfg.model_copy(update={"tools": ["t:add"]})
+
+    # 16 prompts a cycle: k + 1 cycles out, where the job without tools stops at the plateau's 256 // 8 = 32
+    assert [prompts_in_flight(tools(max_staleness=k)) for k in (0, 1, 4)] == [16, 32, 80]
+    assert [prompts_in_flight(job(max_staleness=k)) for k in (0, 1, 4)] == [32, 32, 32]
+    # between turns an episode holds no sequence in the engine: the KV cache still for the plateau's 256 at most
+    assert [sequences_in_engine(tools(max_staleness=k)) for k in (0, 1, 4)] == [128, 256, 256]
+    assert engine_kv_bytes(tools(max_staleness=4), QWEN_1_5B) == engine_kv_bytes(job(max_staleness=1), QWEN_1_5B)
+    # set by hand: as set, for the hand-outs and (under the plateau) the cache
+    assert prompts_in_flight(tools(max_staleness=4, rollout_prompts_in_flight=4)) == 4
+    assert sequences_in_engine(tools(max_staleness=4, rollout_prompts_in_flight=4)) == 32
 
 
 def test_a_learner_beside_an_auto_engine_counts_what_the_engine_will_take():
