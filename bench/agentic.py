@@ -136,7 +136,8 @@ def tandem_job(paths, wl, k, args):
     gpu = args.workload == "gpu"
     res = lambda g: {"num_cpus": 1, "num_gpus": g}  # noqa: E731
     return JobConfig.from_dict({
-        "model": {"path": paths["model"], "dtype": wl["model"]["dtype"], "lora": wl["lora"]},
+        "model": {"path": paths["model"], "dtype": wl["model"]["dtype"], "lora": wl["lora"],
+                  "gradient_checkpointing": wl.get("tandem_checkpointing", "auto")},  # --set tandem_checkpointing=true
         "data": {"path": paths["data"]}, "rewards": [f"{TASK}:correct_sum"], "tools": [f"{TASK}:add"],
         "tool_timeout_s": 10,
         "generation": {"temperature": 1.0, "max_prompt_length": 768, "max_completion_length": wl["max_tokens"],
