@@ -519,6 +519,8 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
         "publish_latency_s": med("publish_latency_s"), "generate_wait_s": med("generate_wait_s"),
         "cycle_s_median": med("cycle_s"), "batches_trained_ahead": top("count/batches_trained_ahead"),
         "stale_dropped": top("count/stale_dropped"),  # groups sampled and dropped past max_staleness
+        # at a step's record, the most prompts in the engines and the most out (in them or finished, not yet trained)
+        "prompts_in_flight_max": top("prompts_in_flight"), "prompts_out_max": top("queue_depth"),
         "rollout_busy_frac": med("rollout/busy_frac"), "learner_mfu": med("learner/mfu"),
         "learner_tokens_per_s": med("learner/tokens_per_s"), "launch_to_first_step_s": first_step_s,
         "start_s": start_s,
