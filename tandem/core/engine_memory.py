@@ -30,9 +30,13 @@ def prompts_in_flight(cfg) -> int:
     c = cfg.cluster
     if c.rollout_prompts_in_flight is not None:
         return c.rollout_prompts_in_flight
-    if episodes_call_tools(cfg):
-        return BatchPlan.from_config(cfg).unique_prompts * (c.max_staleness + 1)
-    return plateau_prompts(cfg)
+    return prompts_ahead(cfg) if episodes_call_tools(cfg) else plateau_prompts(cfg)
+
+
+def prompts_ahead(cfg) -> int:
+    """The most prompts the controller hands out ahead: max_staleness + 1 cycles' unique_prompts
+    (services/orchestrator/pipeline.py)."""
+    return BatchPlan.from_config(cfg).unique_prompts * (cfg.cluster.max_staleness + 1)
 
 
 def plateau_prompts(cfg) -> int:
@@ -50,12 +54,11 @@ def episodes_call_tools(cfg) -> bool:
 
 def sequences_in_engine(cfg, default_max: int | None = None) -> int:
     """The most sequences one engine runs at once: the controller's prompts in flight, and never more than
-    max_staleness + 1 cycles' unique_prompts (what the controller hands out ahead: services/orchestrator/
-    controller.py), times the group size; with tools, no more than the plateau's (between turns an episode holds
-    none); no more than `vllm_max_num_seqs` (or `default_max` where that is not set; vLLM queues the rest)."""
-    ahead = BatchPlan.from_config(cfg).unique_prompts * (cfg.cluster.max_staleness + 1)
+    the prompts it hands out ahead (`prompts_ahead`), times the group size; with tools, no more than the plateau's
+    (between turns an episode holds none); no more than `vllm_max_num_seqs` (or `default_max` where that is not set;
+    vLLM queues the rest)."""
     held = min(prompts_in_flight(cfg), plateau_prompts(cfg)) if episodes_call_tools(cfg) else prompts_in_flight(cfg)
-    seqs = min(held, ahead) * cfg.batch.num_generations
+    seqs = min(held, prompts_ahead(cfg)) * cfg.batch.num_generations
     m = cfg.cluster.vllm_max_num_seqs or default_max
     return min(seqs, m) if m else seqs
 
