@@ -420,16 +420,16 @@ def run_tandem_nodes(paths, wl, k, args) -> dict:
     import secrets
     import tempfile
 
-    from tandem.services.devtools.local_nodes import start_head, start_node, stop, wait_for_resource
+    from tandem.services.devtools.local_nodes import join_nodes, start_head, stop
 
     gpus = 1 if on_gpu(args.workload) else None
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16))  # the driver joins with it
     env = dict(os.environ)
     cpus = max((os.cpu_count() or 2) // 2, 1)
     head, gcs = start_head(env, tempfile.mkdtemp(prefix="ray"), cpus, gpus, {"learner": 1})
-    node = start_node(gcs, env, {"rollout": 1}, cpus, num_gpus=gpus)
+    node = None
     try:
-        wait_for_resource(gcs, env, "rollout", 1, [head, node])
+        [node] = join_nodes(gcs, env, {"rollout": 1}, cpus, 1, num_gpus=gpus)
         cfg = tandem_config(paths, wl, k, args)
         c = cfg.cluster
         cfg = cfg.model_copy(update={"cluster": c.model_copy(update={
@@ -440,7 +440,7 @@ def run_tandem_nodes(paths, wl, k, args) -> dict:
         import ray
 
         ray.shutdown()
-        stop([node, head])
+        stop([node, head] if node else [head])
 
 
 def actor_nodes(ray, ctl) -> dict:

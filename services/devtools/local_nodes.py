@@ -152,18 +152,54 @@ def start_node(gcs: str, env: dict, resources: dict, num_cpus: int, hide: list[P
     return node
 
 
+class NodeExited(AssertionError):
+    """A `ray start` process ended before its node joined; `timed_out` where its raylet did not register with the GCS
+    within the 30 s Ray allows (a loaded machine: it may join when started again)."""
+
+    def __init__(self, said: str):
+        super().__init__(said)
+        self.timed_out = "timed out during startup" in said
+
+
 def wait_for_resource(gcs: str, env: dict, resource: str, count: int, procs: list[subprocess.Popen]) -> None:
     """Until `ray status` lists `count` of a custom resource (the nodes holding it have joined)."""
     status = ""
     for _ in range(90):
         for p in procs:
-            assert p.poll() is None, p.stderr.read()[-3000:]
+            if p.poll() is not None:
+                raise NodeExited(p.stderr.read()[-3000:] if p.stderr else f"the Ray head exited ({p.returncode})")
         status = subprocess.run([*shlex.split(RAY), "status", f"--address={gcs}"], env=env, capture_output=True,
                                 text=True).stdout
         if re.search(rf"/{count}\.0 {resource}\b", status):
             return
         time.sleep(1)
     raise AssertionError(f"{count} {resource} never listed by ray status:\n{status}")
+
+
+def join_nodes(gcs: str, env: dict, resources: dict, num_cpus: int, count: int, hide: list[Path] = (),
+               num_gpus: float | None = None, tries: int = 3) -> list[subprocess.Popen]:
+    """`count` nodes started by start_node one after the other, each waited for until `ray status` lists it by the
+    first of its `resources` (one of them, and nothing else, offering it): two raylets registering at once on a
+    loaded machine can outlast Ray's fixed 30 s. A node whose start timed out is stopped, what it had started with
+    it, and started again, up to `tries` times."""
+    name = next(iter(resources))
+    nodes: list[subprocess.Popen] = []
+    try:
+        for i in range(count):
+            for attempt in range(tries):
+                node = start_node(gcs, env, resources, num_cpus, hide, num_gpus)
+                try:
+                    wait_for_resource(gcs, env, name, int((i + 1) * resources[name]), [node])
+                    nodes.append(node)
+                    break
+                except NodeExited as e:
+                    stop([node])
+                    if not e.timed_out or attempt == tries - 1:
+                        raise
+    except BaseException:
+        stop(nodes)
+        raise
+    return nodes
 
 
 def descendants(pid: int) -> list[int]:
@@ -181,12 +217,26 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def naming(text: str) -> list[int]:
+    """The processes whose command line contains `text` (but this one)."""
+    out = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text.encode() in cmdline.read_bytes() and int(cmdline.parent.name) != os.getpid():
+                out.append(int(cmdline.parent.name))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def stop(procs: list[subprocess.Popen]) -> None:
     """`ray start --block` drains and stops what it started on SIGTERM; what outlives it (the nodes an autoscaler's
-    fake provider started, which are not its children's to stop) is killed."""
+    fake provider started, which are not its children's to stop) is killed, and so is every process that names a
+    node's temporary directory (what a `ray start` that failed had started and left behind)."""
     import signal
 
-    tree = [d for p in procs for d in descendants(p.pid)]
+    tree = [d for p in procs for d in descendants(p.pid)] + [d for p in procs if getattr(p, "temp", "")
+                                                              for d in naming(p.temp)]
     for p in procs:
         if p.poll() is None:
             p.terminate()

@@ -42,7 +42,7 @@ def test_a_node_that_cannot_see_the_jobs_files_is_named_in_the_refusal(ray_head,
 
     import yaml
 
-    from tandem.services.devtools.local_nodes import BINDIR, start_node, stop, wait_for_resource, why_no_private_mounts
+    from tandem.services.devtools.local_nodes import BINDIR, join_nodes, stop, why_no_private_mounts
 
     if why := why_no_private_mounts():
         pytest.skip(why)
@@ -58,9 +58,8 @@ def test_a_node_that_cannot_see_the_jobs_files_is_named_in_the_refusal(ray_head,
         "logging": {"output_dir": str(tmp_path / "run"), "progress": False}}))
     env = dict(os.environ, PATH=BINDIR + os.pathsep + os.environ["PATH"], RAY_AUTH_MODE="token",
                RAY_AUTH_TOKEN=ray_head["token"])
-    node = start_node(ray_head["gcs"], env, {"hidden_node": 1}, 0, hide=[job_dir])
+    [node] = join_nodes(ray_head["gcs"], env, {"hidden_node": 1}, 0, 1, hide=[job_dir])
     try:
-        wait_for_resource(ray_head["gcs"], env, "hidden_node", 1, [node])
         run = subprocess.run([sys.executable, "-m", "tandem.services.app.cli", "run", str(job_dir / "job.yaml"),
                               "--address", ray_head["gcs"]], env=env, cwd=tmp_path, capture_output=True, text=True,
                              timeout=180)

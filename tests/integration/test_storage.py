@@ -73,10 +73,9 @@ def test_a_run_in_a_bucket_survives_the_loss_of_its_learners_node_and_exports_fr
     from tandem.services.devtools.local_nodes import (
         BINDIR,
         descendants,
+        join_nodes,
         start_head,
-        start_node,
         stop,
-        wait_for_resource,
         why_no_private_mounts,
     )
 
@@ -103,11 +102,11 @@ def test_a_run_in_a_bucket_survives_the_loss_of_its_learners_node_and_exports_fr
                RAY_AUTH_TOKEN=secrets.token_hex(16), PATH=BINDIR + os.pathsep + os.environ["PATH"],
                RAY_health_check_period_ms="500", RAY_health_check_failure_threshold="3")  # a lost node in ~2 s
     head, gcs = start_head(env, tempfile.mkdtemp(prefix="ray"), num_cpus=1)  # short: socket paths < 108 bytes
-    nodes = [start_node(gcs, env, {"learner": 1}, 2, hide=[job_dir, staging] if private else []) for _ in range(2)]
+    nodes: list = []
     text: list[str] = []
     p = None
     try:
-        wait_for_resource(gcs, env, "learner", 2, [head, *nodes])
+        nodes = join_nodes(gcs, env, {"learner": 1}, 2, 2, hide=[job_dir, staging] if private else [])
         p = subprocess.Popen([sys.executable, "-m", "tandem.services.app.cli", "run", "job.yaml", "--address", gcs],
                              cwd=job_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         threading.Thread(target=lambda: text.extend(p.stdout), daemon=True).start()
