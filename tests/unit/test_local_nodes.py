@@ -15,3 +15,32 @@ def test_free_ports_lie_above_the_ephemeral_range_and_nobody_listens_there():
         assert (port >= eph.stop) == room, (port, eph)
         with socket.socket() as s:
             s.bind(("", port))
+
+
+def test_stop_kills_what_a_failed_node_start_left_behind():
+    """A `ray start` that exits (its raylet timed out registering) leaves its processes running, no longer its
+    children: stop finds them by the node's temporary directory on their command lines, and nothing else."""
+    import subprocess
+    import sys
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from tandem.services.devtools.local_nodes import naming, stop
+
+    temp, other = tempfile.mkdtemp(prefix="ray"), tempfile.mkdtemp(prefix="ray")
+    sleeper = "import time; time.sleep(300)"
+    start = subprocess.Popen(["bash", "-c", f"{sys.executable} -c '{sleeper}' --temp-dir={temp} & echo $!; exit 1"],
+                             stdout=subprocess.PIPE, text=True)
+    bystander = subprocess.Popen([sys.executable, "-c", sleeper, f"--temp-dir={other}"])
+    try:
+        orphan = int(start.stdout.readline())
+        assert start.wait(10) == 1 and naming(temp) == [orphan]
+        start.temp = temp
+        stop([start])
+        time.sleep(0.5)
+        assert naming(temp) == [] and not Path(temp).exists()
+        assert bystander.poll() is None  # another node's process, untouched
+    finally:
+        bystander.kill()
+        Path(other).rmdir()
