@@ -77,23 +77,38 @@ def _resources(num_gpus: float | None, resources: dict | None) -> str:
 
 
 def start_head(env: dict, temp: str, num_cpus: int, num_gpus: float | None = None,
-               resources: dict | None = None, port: int | None = None, extra: str = "") -> tuple[subprocess.Popen, str]:
-    """`ray start --head --block` (its dashboard on loopback). -> (the process, the GCS address)."""
+               resources: dict | None = None, port: int | None = None, extra: str = "",
+               tries: int = 3) -> tuple[subprocess.Popen, str]:
+    """`ray start --head --block` (its dashboard on loopback), up once `ray status` answers (a node started before
+    would time out joining it); started again where its raylet timed out registering (`again_on_timeout`).
+    -> (the process, the GCS address)."""
     port = port or free_port()
+    gcs = f"127.0.0.1:{port}"
     cmd = (f"exec {RAY} start --head --block --num-cpus={num_cpus} {_resources(num_gpus, resources)}{extra}"
            "--dashboard-host=127.0.0.1 "
            f"--temp-dir={temp} --port={port} " + _ports(("dashboard-port", "dashboard-agent-listen-port",
                                                         "dashboard-agent-grpc-port", "runtime-env-agent-port",
                                                         "ray-client-server-port", "metrics-export-port")))
-    head = subprocess.Popen(["bash", "-c", cmd], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    head.temp = temp
-    gcs = f"127.0.0.1:{port}"
-    for _ in range(90):  # up once `ray status` answers: a node started before would time out joining it
-        assert head.poll() is None, "the Ray head exited"
-        if subprocess.run([*shlex.split(RAY), "status", f"--address={gcs}"], env=env, capture_output=True).returncode == 0:
-            return head, gcs
-        time.sleep(1)
-    raise AssertionError("the Ray head did not answer `ray status` within 90 s")
+
+    def start() -> subprocess.Popen:
+        Path(temp).mkdir(exist_ok=True)
+        said = Path(temp) / "ray-start.err"  # a file, not a pipe nobody reads while the head runs
+        with open(said, "w") as err:
+            head = subprocess.Popen(["bash", "-c", cmd], env=env, stdout=subprocess.DEVNULL, stderr=err)
+        head.temp = temp
+        for _ in range(90):
+            if head.poll() is not None:
+                text = said.read_text()[-3000:]
+                stop([head])
+                raise NodeExited(f"the Ray head exited ({head.returncode}): {text}")
+            if subprocess.run([*shlex.split(RAY), "status", f"--address={gcs}"], env=env,
+                              capture_output=True).returncode == 0:
+                return head
+            time.sleep(1)
+        stop([head])
+        raise AssertionError("the Ray head did not answer `ray status` within 90 s")
+
+    return again_on_timeout(start, tries), gcs
 
 
 def start_autoscaling_head(env: dict, temp: str, head_cpus: int, worker_node_types: dict,
@@ -176,26 +191,39 @@ def wait_for_resource(gcs: str, env: dict, resource: str, count: int, procs: lis
     raise AssertionError(f"{count} {resource} never listed by ray status:\n{status}")
 
 
+def again_on_timeout(start, tries: int):
+    """start(), and again (up to `tries` times in all) while it raises a NodeExited that timed out: Ray gives a
+    raylet a fixed 30 s to register with the GCS, which a loaded machine can outlast (start stops what it started
+    before raising)."""
+    for _ in range(tries - 1):
+        try:
+            return start()
+        except NodeExited as e:
+            if not e.timed_out:
+                raise
+    return start()
+
+
 def join_nodes(gcs: str, env: dict, resources: dict, num_cpus: int, count: int, hide: list[Path] = (),
                num_gpus: float | None = None, tries: int = 3) -> list[subprocess.Popen]:
     """`count` nodes started by start_node one after the other, each waited for until `ray status` lists it by the
     first of its `resources` (one of them, and nothing else, offering it): two raylets registering at once on a
-    loaded machine can outlast Ray's fixed 30 s. A node whose start timed out is stopped, what it had started with
-    it, and started again, up to `tries` times."""
+    loaded machine can outlast Ray's 30 s; each started again where it timed out (`again_on_timeout`)."""
     name = next(iter(resources))
     nodes: list[subprocess.Popen] = []
+
+    def start() -> subprocess.Popen:
+        node = start_node(gcs, env, resources, num_cpus, hide, num_gpus)
+        try:
+            wait_for_resource(gcs, env, name, int((len(nodes) + 1) * resources[name]), [node])
+        except BaseException:
+            stop([node])
+            raise
+        return node
+
     try:
-        for i in range(count):
-            for attempt in range(tries):
-                node = start_node(gcs, env, resources, num_cpus, hide, num_gpus)
-                try:
-                    wait_for_resource(gcs, env, name, int((i + 1) * resources[name]), [node])
-                    nodes.append(node)
-                    break
-                except NodeExited as e:
-                    stop([node])
-                    if not e.timed_out or attempt == tries - 1:
-                        raise
+        for _ in range(count):
+            nodes.append(again_on_timeout(start, tries))
     except BaseException:
         stop(nodes)
         raise

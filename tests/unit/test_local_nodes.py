@@ -44,3 +44,30 @@ def test_stop_kills_what_a_failed_node_start_left_behind():
     finally:
         bystander.kill()
         Path(other).rmdir()
+
+
+def test_a_start_that_timed_out_is_tried_again_and_any_other_failure_is_raised_at_once():
+    import pytest
+
+    from tandem.services.devtools.local_nodes import NodeExited, again_on_timeout
+
+    timed_out = "Exception: The current node timed out during startup. This could happen because ..."
+    calls = []
+
+    def start(fails: list[str]):
+        def go():
+            calls.append(1)
+            if len(calls) <= len(fails):
+                raise NodeExited(fails[len(calls) - 1])
+            return "node"
+        return go
+
+    assert again_on_timeout(start([timed_out, timed_out]), 3) == "node" and len(calls) == 3
+    calls.clear()
+    with pytest.raises(NodeExited, match="timed out"):  # the third time is the last
+        again_on_timeout(start([timed_out] * 3), 3)
+    assert len(calls) == 3
+    calls.clear()
+    with pytest.raises(NodeExited, match="address in use"):
+        again_on_timeout(start(["OSError: address in use", timed_out]), 3)
+    assert len(calls) == 1
