@@ -7,8 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from tandem.services.devtools.local_nodes import free_port
-
 # Kernels run through Triton's interpreter on CPU (must be set before triton is imported).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -84,27 +82,22 @@ def ray_head():
     suite's Ray already holds the defaults (a job head talking to the other cluster's agent on 52365
     never answered). -> {url (Jobs API), gcs (address for --address), metrics_port, token, pid, temp (its --temp-dir)}."""
     import secrets
-    import shutil
-    import subprocess
     import sys
     import tempfile
     import time
     import urllib.error
     import urllib.request
 
+    from tandem.services.devtools.local_nodes import start_head, stop
+
     token = secrets.token_hex(32)
-    temp = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths must stay under 108 bytes
-    ports = {name: free_port() for name in ("port", "dashboard-port", "dashboard-agent-listen-port",
-                                            "dashboard-agent-grpc-port", "runtime-env-agent-port",
-                                            "ray-client-server-port", "metrics-export-port")}
     bindir = os.path.dirname(sys.executable)
     env = dict(os.environ, PATH=bindir + os.pathsep + os.environ["PATH"], RAY_AUTH_MODE="token",
                RAY_AUTH_TOKEN=token,
                RAY_metrics_report_interval_ms="500")  # the exported series follow each step within a second
-    head = subprocess.Popen([os.path.join(bindir, "ray"), "start", "--head", "--block", "--num-cpus=6",
-                             "--dashboard-host=127.0.0.1", f"--temp-dir={temp}"]
-                            + [f"--{name}={port}" for name, port in ports.items()], env=env)
-    url = f"http://127.0.0.1:{ports['dashboard-port']}"
+    # a short --temp-dir: Ray's socket paths must stay under 108 bytes
+    head, gcs = start_head(env, tempfile.mkdtemp(prefix="ray"), num_cpus=6)
+    url = f"http://127.0.0.1:{head.ports['dashboard-port']}"
     try:
         for _ in range(120):
             assert head.poll() is None, "the Ray head exited"
@@ -116,12 +109,10 @@ def ray_head():
                 break
             except OSError:  # not up yet
                 time.sleep(1)
-        yield {"url": url, "gcs": f"127.0.0.1:{ports['port']}", "metrics_port": ports["metrics-export-port"],
-               "token": token, "pid": head.pid, "temp": temp}
+        yield {"url": url, "gcs": gcs, "metrics_port": head.ports["metrics-export-port"],
+               "token": token, "pid": head.pid, "temp": head.temp}
     finally:
-        head.terminate()  # ray start --block drains, then stops what it started
-        head.wait(90)
-        shutil.rmtree(temp, ignore_errors=True)
+        stop([head])  # ray start --block drains, then stops what it started
 
 
 @pytest.fixture(scope="session")

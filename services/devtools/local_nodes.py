@@ -79,23 +79,23 @@ def _resources(num_gpus: float | None, resources: dict | None) -> str:
 def start_head(env: dict, temp: str, num_cpus: int, num_gpus: float | None = None,
                resources: dict | None = None, port: int | None = None, extra: str = "",
                tries: int = 3) -> tuple[subprocess.Popen, str]:
-    """`ray start --head --block` (its dashboard on loopback), up once `ray status` answers (a node started before
+    """`ray start --head --block` (its dashboard on loopback, every port its own), up once `ray status` answers (a node started before
     would time out joining it); started again where its raylet timed out registering (`again_on_timeout`).
     -> (the process, the GCS address)."""
     port = port or free_port()
     gcs = f"127.0.0.1:{port}"
+    ports = {name: free_port() for name in ("dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                            "runtime-env-agent-port", "ray-client-server-port", "metrics-export-port")}
     cmd = (f"exec {RAY} start --head --block --num-cpus={num_cpus} {_resources(num_gpus, resources)}{extra}"
-           "--dashboard-host=127.0.0.1 "
-           f"--temp-dir={temp} --port={port} " + _ports(("dashboard-port", "dashboard-agent-listen-port",
-                                                        "dashboard-agent-grpc-port", "runtime-env-agent-port",
-                                                        "ray-client-server-port", "metrics-export-port")))
+           f"--dashboard-host=127.0.0.1 --temp-dir={temp} --port={port} "
+           + " ".join(f"--{name}={p}" for name, p in ports.items()))
 
     def start() -> subprocess.Popen:
         Path(temp).mkdir(exist_ok=True)
         said = Path(temp) / "ray-start.err"  # a file, not a pipe nobody reads while the head runs
         with open(said, "w") as err:
             head = subprocess.Popen(["bash", "-c", cmd], env=env, stdout=subprocess.DEVNULL, stderr=err)
-        head.temp = temp
+        head.temp, head.ports = temp, ports  # its dashboard's (the Jobs API) and metrics' ports for the caller
         for _ in range(90):
             if head.poll() is not None:
                 text = said.read_text()[-3000:]
