@@ -79,9 +79,9 @@ def _resources(num_gpus: float | None, resources: dict | None) -> str:
 def start_head(env: dict, temp: str, num_cpus: int, num_gpus: float | None = None,
                resources: dict | None = None, port: int | None = None, extra: str = "",
                tries: int = 3) -> tuple[subprocess.Popen, str]:
-    """`ray start --head --block` (its dashboard on loopback, every port its own), up once `ray status` answers (a node started before
-    would time out joining it); started again where its raylet timed out registering (`again_on_timeout`).
-    -> (the process, the GCS address)."""
+    """`ray start --head --block` (its dashboard on loopback, every port its own), up once `ray status` answers (a
+    node started before would time out joining it); started again where its raylet timed out registering
+    (`again_on_timeout`). -> (the process, with .temp and .ports; the GCS address)."""
     port = port or free_port()
     gcs = f"127.0.0.1:{port}"
     ports = {name: free_port() for name in ("dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
