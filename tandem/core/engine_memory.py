@@ -9,8 +9,12 @@ from tandem.core.plan import BatchPlan
 
 GIB = 1 << 30
 # Beyond weights and KV cache: CUDA graphs, the profile run's activations (max_num_batched_tokens of them), the
-# sampler's logits for a full batch, LoRA slots, the allocator's slack.
-ENGINE_OVERHEAD = 3 * GIB
+# sampler's logits for a full batch, LoRA slots, the allocator's slack, and the CUDA context vLLM does not count. vLLM
+# counted 4.06 GiB of the first five at 7B (CUDA graphs 0.94) and 3.69 at 1.5B (0.75) within 0.3 of an H200
+# (bench/results/e2e_gpu_scale_raw/h200/2026-12-03-bafd0fc/*/log-vllm_ceiling*.txt: the share less "Model loading
+# took" and "Available KV cache memory"); the 7B engine process held 5.18 GiB beyond weights and KV cache in all, at
+# either KV size (nvidia-smi's per-process peak on one H100: e2e_gpu_scale_raw/h100/2026-12-05-2efb84c/7b/).
+ENGINE_OVERHEAD = 5 * GIB
 SHARE_WITHOUT_SHAPE = 0.3  # auto where the model's config does not say its shape: TRL's colocate default
 # Sequences in flight where an engine's decode stops gaining throughput (its plateau): on one H200 serving a LoRA
 # adapter at Qwen2.5-1.5B's shape, 256 sequences make 1.19x the tokens a second of 128 and 512 make less
