@@ -64,7 +64,7 @@ def min_fast_tokens(mc: dict) -> int:
 ACTIVATION_SHARE = 0.2
 # ... or more, where the engine beside them is small: the two together up to this share. The engine's KV cache grows
 # with max_staleness (tandem/core/engine_memory.py); at 1.5B the k=0 engine holds ~7 GiB less than the k=1 one, and
-# its learner takes them (~14k-token forwards instead of ~11k, learner/mfu 0.471 against 0.411 in the runs of 2026-12-03 to 2026-12-03 (10868ea, c488e7f)),
+# its learner takes them (~14k-token forwards instead of ~11k, learner/mfu 0.471 against 0.411 in the runs of 2026-12-03 (10868ea, c488e7f)),
 # for a peak under the k=1 one. A learner on a GPU of its own (no engine) takes this share.
 SHARED_GPU_SHARE = 0.34
 

@@ -81,7 +81,7 @@ def init_local_ray(num_cpus: int, **kwargs) -> None:
 # _allocated_gib). Expandable segments grow and reuse one mapping instead (torch's CUDA semantics notes; Unsloth sets
 # the same before it loads vLLM in its process). At 7B colocated on an H200 the GPU peaked at 73.9 GiB with them
 # (5,235-token forwards; the allocator 2.8 GiB over the tensors) against 79.9 without (4,096-token forwards):
-# bench/results/e2e_gpu_scale.md, the runs of 2026-12-03 to 2026-12-03 (e9191cf, ea098c1). Not with vLLM's sleep mode (its CuMemAllocator refuses them):
+# bench/results/e2e_gpu_scale.md, the runs of 2026-12-03 (e9191cf, ea098c1). Not with vLLM's sleep mode (its CuMemAllocator refuses them):
 # Tandem does not use it.
 GPU_ALLOCATOR = "expandable_segments:True"
 
