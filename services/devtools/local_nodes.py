@@ -65,8 +65,13 @@ def why_no_private_mounts() -> str | None:
     return None
 
 
-def _ports(names: tuple[str, ...]) -> str:
-    return " ".join(f"--{name}={free_port()}" for name in names)
+def _ports(names: tuple[str, ...]) -> dict[str, int]:
+    """A free port for each of these `ray start` options."""
+    return {name: free_port() for name in names}
+
+
+def _flags(ports: dict[str, int]) -> str:
+    return " ".join(f"--{name}={port}" for name, port in ports.items())
 
 
 def _resources(num_gpus: float | None, resources: dict | None) -> str:
@@ -84,11 +89,11 @@ def start_head(env: dict, temp: str, num_cpus: int, num_gpus: float | None = Non
     (`again_on_timeout`). -> (the process, with .temp and .ports; the GCS address)."""
     port = port or free_port()
     gcs = f"127.0.0.1:{port}"
-    ports = {name: free_port() for name in ("dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                            "runtime-env-agent-port", "ray-client-server-port", "metrics-export-port")}
+    ports = _ports(("dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                    "runtime-env-agent-port", "ray-client-server-port", "metrics-export-port"))
     cmd = (f"exec {RAY} start --head --block --num-cpus={num_cpus} {_resources(num_gpus, resources)}{extra}"
            f"--dashboard-host=127.0.0.1 --temp-dir={temp} --port={port} "
-           + " ".join(f"--{name}={p}" for name, p in ports.items()))
+           + _flags(ports))
 
     def start() -> subprocess.Popen:
         Path(temp).mkdir(exist_ok=True)
@@ -157,8 +162,8 @@ def start_node(gcs: str, env: dict, resources: dict, num_cpus: int, hide: list[P
     temp = tempfile.mkdtemp(prefix="ray")  # its own: two nodes in one session directory share socket names
     ray_start = (f"exec {RAY} start --address={gcs} --block --num-cpus={num_cpus} --temp-dir={temp} "
                  f"{_resources(num_gpus, resources)}--min-worker-port={low} --max-worker-port={low + 99} "
-                 + _ports(("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
-                           "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")))
+                 + _flags(_ports(("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
+                           "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port"))))
     mounts = "".join(f"mount -t tmpfs none {p} && " for p in hide)
     node = subprocess.Popen((["unshare", "-m", "--propagation", "private"] if hide else []) +
                             ["bash", "-c", mounts + ray_start], env=env, stdout=subprocess.DEVNULL,
@@ -177,12 +182,13 @@ class NodeExited(AssertionError):
 
 
 def wait_for_resource(gcs: str, env: dict, resource: str, count: int, procs: list[subprocess.Popen]) -> None:
-    """Until `ray status` lists `count` of a custom resource (the nodes holding it have joined)."""
+    """Until `ray status` lists `count` of a custom resource (the nodes holding it have joined); `procs`: start_node's
+    processes, whose stderr says why one exited (NodeExited)."""
     status = ""
     for _ in range(90):
         for p in procs:
             if p.poll() is not None:
-                raise NodeExited(p.stderr.read()[-3000:] if p.stderr else f"the Ray head exited ({p.returncode})")
+                raise NodeExited(p.stderr.read()[-3000:])
         status = subprocess.run([*shlex.split(RAY), "status", f"--address={gcs}"], env=env, capture_output=True,
                                 text=True).stdout
         if re.search(rf"/{count}\.0 {resource}\b", status):
