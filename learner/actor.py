@@ -142,6 +142,7 @@ class Learner:
         check_learner_device(cfg)
         launch = self.launch
         check_shared_dir(cfg.logging.output_dir, launch.probe, f"learner rank {self.rank}")
+        held_before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0  # a colocated engine's
         set_distributed_env(self.rank, self.world)
         before_deepspeed_init()
         import deepspeed
@@ -170,7 +171,7 @@ class Learner:
         if self.device.type == "cuda" and cfg.cluster.learner_sm_carveout:
             leave_sms_free(cfg.cluster.learner_sm_carveout, self.device)
         self.ref = load_frozen_reference(cfg).to(self.device) if (cfg.grpo.beta > 0 and cfg.model.lora is None) else None
-        self.layout = decide_layout(cfg, model, self.device)  # after everything this rank holds is placed
+        self.layout = decide_layout(cfg, model, self.device, held_before)  # after everything this rank holds is placed
         return self.rank
 
     # ----------------------------------------------------------------------------- helpers

@@ -32,9 +32,12 @@ class Layout:
     pair_flops: int  # attention's FLOPs per (query, key) pair (0 where the shape is not known)
 
 
-def decide_layout(cfg, model, device) -> Layout:
+def decide_layout(cfg, model, device, held_before: int = 0) -> Layout:
     """The layout of a rank whose model (DeepSpeed's module, on `device`) and frozen reference are placed: the token
-    budget is what memory is left for activations."""
+    budget is what memory is left for activations. `held_before`: the bytes torch's allocator held in this process
+    before the rank placed anything, a colocated engine's weights and KV cache (cluster.vllm_mode colocate), which
+    `engine_bytes` already counts: counted twice, a colocated 7B learner on an 80 GiB GPU was left one sequence a
+    forward (bench/results/e2e_gpu_scale.md, the 2026-12-05 run at 8657804)."""
     from transformers import AutoTokenizer
 
     from tandem.core.checks import language_model_config
@@ -45,7 +48,7 @@ def decide_layout(cfg, model, device) -> Layout:
     packed = packs_sequences(model)
     mc = language_model_config(cfg.model.local_dir()) if cuda else None  # the language model's shape
     budget, ck = forward_layout(
-        cfg, mc, packed, (torch.cuda.mem_get_info(device)[1], torch.cuda.memory_allocated(device)) if cuda else None)
+        cfg, mc, packed, (torch.cuda.mem_get_info(device)[1], torch.cuda.memory_allocated(device) - held_before) if cuda else None)
     if ck and cfg.model.gradient_checkpointing == "auto":
         enable_checkpointing(model)
     tok = AutoTokenizer.from_pretrained(cfg.model.local_dir())

@@ -40,3 +40,40 @@ def test_an_auto_engine_holds_what_the_controller_keeps_in_it_within_what_the_le
         assert len(out[0]) == 8 and all(len(c.tokens) >= 1 for c in out[0])
     finally:
         engine.close()
+
+
+def test_a_colocated_learner_counts_the_engine_beside_it_once(tiny_model):
+    """In one process (cluster.vllm_mode colocate) the engine's weights and KV cache are in torch's allocator when the
+    learner places its model, and `engine_bytes` counts them as taken already: the learner's budget is what its own
+    tensors leave. Counted twice, an engine of 0.6 of the device leaves the learner no room (one checkpointed
+    sequence a forward)."""
+    from tandem.core.checks import language_model_config
+    from tandem.core.config import JobConfig
+    from tandem.learner.layout import decide_layout
+    from tandem.learner.memory import MAX_AUTO_TOKENS, forward_layout
+    from tandem.learner.model import load_policy
+    from tandem.rollout.worker import build_engine
+
+    cfg = JobConfig.from_dict({
+        "model": {"path": tiny_model, "dtype": "bfloat16", "lora": {"r": 8}}, "data": {"path": "d.jsonl"},
+        "rewards": ["r:f"], "generation": {"max_prompt_length": 32, "max_completion_length": 96},
+        "batch": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_generations": 8},
+        "cluster": {"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.6, "vllm_enforce_eager": True,
+                    "rollout_resources": {"num_gpus": 1}}})
+    mc = language_model_config(tiny_model)
+    torch.cuda.empty_cache()
+    engine = build_engine(cfg, seed=0)
+    try:
+        held = torch.cuda.memory_allocated()
+        total = torch.cuda.mem_get_info()[1]
+        assert held > 0.4 * total, (held, total)  # the engine's KV cache is in this process's allocator
+        model = load_policy(cfg).to("cuda")
+        layout = decide_layout(cfg, model, torch.device("cuda"), held)
+        assert layout.packed
+        own = torch.cuda.memory_allocated() - held
+        assert (layout.token_budget, layout.checkpointing) == forward_layout(cfg, mc, True, (total, own))
+        assert (layout.token_budget, layout.checkpointing) == (MAX_AUTO_TOKENS, False)
+        twice = forward_layout(cfg, mc, True, (total, own + held))
+        assert twice == (128, True), twice  # the old count: one full-length sequence, checkpointed
+    finally:
+        engine.close()
