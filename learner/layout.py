@@ -47,8 +47,8 @@ def decide_layout(cfg, model, device, held_before: int = 0) -> Layout:
     cuda = device.type == "cuda"
     packed = packs_sequences(model)
     mc = language_model_config(cfg.model.local_dir()) if cuda else None  # the language model's shape
-    own = torch.cuda.memory_allocated(device) - held_before if cuda else 0
-    budget, ck = forward_layout(cfg, mc, packed, (torch.cuda.mem_get_info(device)[1], own) if cuda else None)
+    memory = (torch.cuda.mem_get_info(device)[1], torch.cuda.memory_allocated(device) - held_before) if cuda else None
+    budget, ck = forward_layout(cfg, mc, packed, memory)  # (total, this rank's own) bytes
     if ck and cfg.model.gradient_checkpointing == "auto":
         enable_checkpointing(model)
     tok = AutoTokenizer.from_pretrained(cfg.model.local_dir())
