@@ -463,6 +463,11 @@ def engine_start_s(ray, ctl) -> list:
     return ray.get(ctl.__ray_call__.remote(ask))
 
 
+CYCLE_KEYS = ("step", "generate_wait_s", "train_s", "publish_s", "cycle_s", "rollout_busy_s", "learner/time/forwards_s",
+              "prompts_in_flight", "queue_depth", "count/batches_trained_ahead", "count/stale_dropped",
+              "count/stale_stopped")
+
+
 def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
     """A Tandem job run as `tandem run` runs it (embedded Ray, or the cluster at `address`; its controller), timed
     after the warm-up steps and up to the run's end (END_STEPS). `start_s` says where the time to the first step
@@ -536,6 +541,8 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
         "learner_peak_reserved_gib": top("learner/peak_reserved_gib"),
         "learner_nodes": placed["learner"], "rollout_nodes": placed["rollout"],
         **{f"learner_{p}_s": med(f"learner/time/{p}_s") for p in ("prepare", "forwards", "finish")},
+        # each measured step's split, where a mean hides a long step (which stage it was, what was out)
+        "cycles": [{k: r.get(k) for k in CYCLE_KEYS} for r in rows],
     }
     out.update({k2: v for k2, v in gpu_stats.items()})
     if pss is not None:
@@ -938,12 +945,15 @@ def sharing_speeds(run: dict, synchronous: dict | None) -> dict:
 ASYNC_PEER = "trl_async"  # the asynchronous baseline: its column leads the table's ratios
 
 
-def table(out_dir: Path, names: list[str], ceiling: str | None, peer: str) -> str:
+def table(out_dir: Path, names: list[str], ceiling: str | None, peer: str, k0: Path | None = None) -> str:
+    """k0: the `max_staleness: 0` run the efficiencies are read against, where it is not among these (another
+    call's run of the same workload on the same card: the results page says which)."""
     c = {n: json.loads((out_dir / f"{n}.json").read_text()) for n in names if (out_dir / f"{n}.json").is_file()}
+    synchronous = json.loads(k0.read_text()) if k0 else c.get("tandem_k0")
     for r in c.values():
-        r["pipeline_efficiency"] = pipeline_efficiency(r, c.get("tandem_k0"))
-        r["pipeline_efficiency_tokens"] = pipeline_efficiency_tokens(r, c.get("tandem_k0"))
-        r.update(sharing_speeds(r, c.get("tandem_k0")))
+        r["pipeline_efficiency"] = pipeline_efficiency(r, synchronous)
+        r["pipeline_efficiency_tokens"] = pipeline_efficiency_tokens(r, synchronous)
+        r.update(sharing_speeds(r, synchronous))
     fmt = lambda v, p=2: "—" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
     cpu = any(r.get("pss_gb") is not None for r in c.values())  # CPU: memory as PSS, launch time, cores
     extra = " launch → first step s | peak PSS GB | cores > 50% |" if cpu else ""
@@ -1023,9 +1033,11 @@ def main():
     t.add_argument("--names", default="tandem_k0,tandem_k1,tandem_k4,vllm_ceiling,vllm_merged,trl_colocate,trl_async")
     t.add_argument("--ceiling", default="vllm_ceiling")
     t.add_argument("--peer", default="trl_colocate")
+    t.add_argument("--k0", type=Path, default=None,
+                   help="a tandem_k0 JSON from another call of the same workload and card, for the efficiencies")
     a = ap.parse_args()
     if a.cmd == "table":
-        text, c = table(Path(a.out_dir), a.names.split(","), a.ceiling, a.peer)
+        text, c = table(Path(a.out_dir), a.names.split(","), a.ceiling, a.peer, a.k0)
         print(text)
         return
     a.dir, a.json = use_this_checkout(a.dir, a.json)

@@ -70,6 +70,20 @@ def test_the_table_shows_both_ratios_against_the_asynchronous_peer(e2e, tmp_path
     assert runs["tandem_k1"]["pipeline_efficiency_tokens"] == pytest.approx(6250 / 6000)
 
 
+def test_the_efficiencies_read_a_synchronous_run_from_another_call(e2e, tmp_path):
+    """--k0: the k=0 run of another call (the same workload and card), where this call's directory has none."""
+    lease, other = tmp_path / "lease", tmp_path / "other"
+    lease.mkdir(), other.mkdir()
+    for name, run in {"tandem_k1": K1, "trl_async": PEER}.items():
+        (lease / f"{name}.json").write_text(json.dumps(run))
+    (other / "tandem_k0.json").write_text(json.dumps(dict(K0, generate_wait_s=5.0)))
+    _, alone = e2e.table(lease, ["tandem_k1", "trl_async"], None, "trl_colocate")
+    assert alone["tandem_k1"]["pipeline_efficiency"] is None
+    _, read = e2e.table(lease, ["tandem_k1", "trl_async"], None, "trl_colocate", other / "tandem_k0.json")
+    assert read["tandem_k1"]["pipeline_efficiency"] == pytest.approx(6.0 / 5.0)  # that run's generation, not K0's
+    assert read["tandem_k1"]["pipeline_efficiency_tokens"] == pytest.approx(50000 / 5.0 / 6000)
+    assert "tandem_k0" not in read
+
 def test_where_the_gpu_peak_goes_names_each_process_by_its_role(e2e):
     assert e2e.gpu_process("12345, 20480\n") == (12345, 20480.0)
     assert e2e.gpu_process("12345, [N/A]") is None and e2e.gpu_process("") is None
