@@ -84,6 +84,7 @@ def test_the_efficiencies_read_a_synchronous_run_from_another_call(e2e, tmp_path
     assert read["tandem_k1"]["pipeline_efficiency_tokens"] == pytest.approx(50000 / 5.0 / 6000)
     assert "tandem_k0" not in read
 
+
 def test_where_the_gpu_peak_goes_names_each_process_by_its_role(e2e):
     assert e2e.gpu_process("12345, 20480\n") == (12345, 20480.0)
     assert e2e.gpu_process("12345, [N/A]") is None and e2e.gpu_process("") is None
