@@ -945,7 +945,8 @@ def sharing_speeds(run: dict, synchronous: dict | None) -> dict:
 ASYNC_PEER = "trl_async"  # the asynchronous baseline: its column leads the table's ratios
 
 
-def table(out_dir: Path, names: list[str], ceiling: str | None, peer: str, k0: Path | None = None) -> str:
+def table(out_dir: Path, names: list[str], ceiling: str | None, peer: str,
+          k0: Path | None = None) -> tuple[str, dict]:
     """k0: the `max_staleness: 0` run the efficiencies are read against, where it is not among these (another
     call's run of the same workload on the same card: the results page says which)."""
     c = {n: json.loads((out_dir / f"{n}.json").read_text()) for n in names if (out_dir / f"{n}.json").is_file()}
