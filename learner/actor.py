@@ -45,6 +45,7 @@ from tandem.learner.non_finite import describe, non_finite_input
 from tandem.learner.overflow import check_in_one_readback
 from tandem.learner.process_group import join_process_group, open_store
 from tandem.learner.safe_load import refuse_pickles
+from tandem.learner.sm_carveout import apply_carveout
 
 
 def _check_token_ids(groups, vocab: int):
@@ -168,8 +169,8 @@ class Learner:
         refuse_pickles(self.engine)
         check_in_one_readback(self.engine)  # DeepSpeed's per-gradient readbacks at the step (learner/overflow.py)
         self.device = self.engine.device  # batches are collated on the host and moved here
-        if self.device.type == "cuda" and cfg.cluster.learner_sm_carveout:
-            leave_sms_free(cfg.cluster.learner_sm_carveout, self.device)
+        if self.device.type == "cuda":
+            apply_carveout(cfg.cluster, self.device)
         self.ref = load_frozen_reference(cfg).to(self.device) if (cfg.grpo.beta > 0 and cfg.model.lora is None) else None
         self.layout = decide_layout(cfg, model, self.device, held_before)  # after everything this rank holds is placed
         return self.rank
@@ -423,21 +424,6 @@ class Learner:
             import torch.distributed as dist
 
             dist.barrier()
-
-
-def leave_sms_free(n: int, device) -> None:
-    """This process's matmuls on all but `n` of the GPU's SMs (cluster.learner_sm_carveout): torch's SM carveout, which
-    only cuBLASLt honours (aten/src/ATen/cuda/CUDABlas.cpp), so cuBLASLt becomes the preferred BLAS. Process-wide: in
-    the colocated mode the engine's matmuls too, except those in the CUDA graphs it captured before (its decode)."""
-    if not hasattr(torch._C, "_set_sm_carveout_experimental"):
-        raise RuntimeError(f"cluster.learner_sm_carveout = {n}: torch {torch.__version__} has no SM carveout; "
-                           "allowed: null with this torch")
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if not 0 < n < sms:
-        raise ValueError(f"cluster.learner_sm_carveout = {n}: {torch.cuda.get_device_name(device)} has {sms} SMs; "
-                         f"allowed: 1 to {sms - 1}, or null")
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    torch._C._set_sm_carveout_experimental(n)
 
 
 def _resolve(groups: list) -> list:

@@ -303,10 +303,11 @@ class ClusterConfig(_Section):
         "the first rollout worker's engine in the learner's process (one actor asking for both resources: one "
         "process importing torch, transformers and Ray fewer; needs num_processes 1). Workers beyond the first, "
         "and `tandem scale`, add server-mode ones")
-    learner_sm_carveout: int | None = Field(
-        None, ge=1, description="streaming multiprocessors the learner's matmuls leave free for a rollout engine "
+    learner_sm_carveout: int | Literal["auto"] | None = Field(
+        "auto", description="streaming multiprocessors the learner's matmuls leave free for a rollout engine "
         "sharing its GPU (vllm_mode colocate, or under CUDA MPS): its GEMMs go through cuBLASLt with an SM count "
         "target that many below the GPU's, so the engine's decode kernels never wait for a learner GEMM's blocks; "
+        "auto = 24 of every 132 SMs in vllm_mode colocate (24 on an H100 or H200), none otherwise; "
         "null = the learner's GEMMs take every SM")
     address: str | None = Field(None, description="Ray address `tandem run` joins when --address is not given; "
                                 "null = embedded Ray")
@@ -331,6 +332,13 @@ class ClusterConfig(_Section):
                              f"bounds [{a.min_rollout_workers}, {a.max_rollout_workers}]; allowed: a start count "
                              "within them")
         return self
+
+    @field_validator("learner_sm_carveout")
+    @classmethod
+    def _positive_sms(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"cluster.learner_sm_carveout = {v}; allowed: an int >= 1, auto or null")
+        return v
 
     @field_validator("vllm_gpu_memory_utilization")
     @classmethod
