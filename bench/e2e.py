@@ -532,10 +532,12 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
         "cores_busy": sum(c > 50 for c in cores), "reward_first": rows[0]["reward"], "reward_last": rows[-1]["reward"],
         "turns_per_episode": med("episodes/turns_mean"), "tool_calls_per_episode": med("tools/call_frequency"),
         "completion_length_p50": med("completion_length_p50"), "completion_length_p95": med("completion_length_p95"),
-        # the learner's layout as its defaults chose it (model.max_tokens_per_forward, checkpointing, Liger)
+        # the learner's layout as its defaults chose it (model.max_tokens_per_forward, checkpointing, Liger, the SMs
+        # it left to a colocated engine)
         "forwards_per_step": med("learner/forwards_per_step"),
         "max_tokens_per_forward": med("learner/max_tokens_per_forward"),
         "gradient_checkpointing": med("learner/gradient_checkpointing"), "liger_kernel": med("learner/liger_kernel"),
+        "sm_carveout": med("learner/sm_carveout"),
         # the learner process's own peaks (torch's allocator; colocated, the engine's tensors too) beside nvidia-smi's
         "learner_peak_allocated_gib": top("learner/peak_allocated_gib"),
         "learner_peak_reserved_gib": top("learner/peak_reserved_gib"),
@@ -946,10 +948,13 @@ ASYNC_PEER = "trl_async"  # the asynchronous baseline: its column leads the tabl
 
 
 def table(out_dir: Path, names: list[str], ceiling: str | None, peer: str,
-          k0: Path | None = None) -> tuple[str, dict]:
+          k0: Path | None = None, elsewhere: dict[str, Path] | None = None) -> tuple[str, dict]:
     """k0: the `max_staleness: 0` run the efficiencies are read against, where it is not among these (another
-    call's run of the same workload on the same card: the results page says which)."""
+    call's run of the same workload on the same card: the results page says which). elsewhere: {candidate: JSON}
+    run in another call (the same workload and card kind), a row marked † (its ratios span two calls)."""
+    elsewhere = elsewhere or {}
     c = {n: json.loads((out_dir / f"{n}.json").read_text()) for n in names if (out_dir / f"{n}.json").is_file()}
+    c.update({n: json.loads(Path(p).read_text()) for n, p in elsewhere.items()})
     synchronous = json.loads(k0.read_text()) if k0 else c.get("tandem_k0")
     for r in c.values():
         r["pipeline_efficiency"] = pipeline_efficiency(r, synchronous)
@@ -969,7 +974,7 @@ def table(out_dir: Path, names: list[str], ceiling: str | None, peer: str,
         tok_async = ratio(r.get("gen_tokens_per_s"), c.get(ASYNC_PEER, {}).get("gen_tokens_per_s"))
         x_ceil = (r["gen_tokens_per_s"] / c[ceiling]["gen_tokens_per_s"]
                   if ceiling in c and r.get("gen_tokens_per_s") and n != ceiling else None)
-        row = (f"| {n} | {fmt(r['s_per_step'], 3)} | {fmt(r.get('gen_s_per_step'))} | "
+        row = (f"| {n}{' †' if n in elsewhere else ''} | {fmt(r['s_per_step'], 3)} | {fmt(r.get('gen_s_per_step'))} | "
                f"{fmt(r.get('train_s_per_step'))} | {fmt(r.get('pipeline_efficiency'))} | "
                f"{fmt(r.get('pipeline_efficiency_tokens'))} | "
                f"{fmt(r.get('engine_x_alone'))} | {fmt(r.get('learner_x_alone'))} | "
@@ -981,6 +986,7 @@ def table(out_dir: Path, names: list[str], ceiling: str | None, peer: str,
             row += (f" {fmt(r.get('launch_to_first_step_s'), 1)} | {fmt(r.get('pss_gb'))} |"
                     f" {fmt(r.get('cores_busy'))} |")
         lines.append(row)
+    lines += [f"† {n}: {p}" for n, p in elsewhere.items()]
     return "\n".join(lines), c
 
 
@@ -1036,9 +1042,12 @@ def main():
     t.add_argument("--peer", default="trl_colocate")
     t.add_argument("--k0", type=Path, default=None,
                    help="a tandem_k0 JSON from another call of the same workload and card, for the efficiencies")
+    t.add_argument("--from", dest="elsewhere", action="append", default=[], metavar="NAME=PATH",
+                   help="a candidate's JSON from another call of the same workload and card kind (its row marked †)")
     a = ap.parse_args()
     if a.cmd == "table":
-        text, c = table(Path(a.out_dir), a.names.split(","), a.ceiling, a.peer, a.k0)
+        text, c = table(Path(a.out_dir), a.names.split(","), a.ceiling, a.peer, a.k0,
+                        dict(kv.split("=", 1) for kv in a.elsewhere))
         print(text)
         return
     a.dir, a.json = use_this_checkout(a.dir, a.json)

@@ -45,7 +45,6 @@ from tandem.learner.non_finite import describe, non_finite_input
 from tandem.learner.overflow import check_in_one_readback
 from tandem.learner.process_group import join_process_group, open_store
 from tandem.learner.safe_load import refuse_pickles
-from tandem.learner.sm_carveout import apply_carveout
 
 
 def _check_token_ids(groups, vocab: int):
@@ -169,8 +168,6 @@ class Learner:
         refuse_pickles(self.engine)
         check_in_one_readback(self.engine)  # DeepSpeed's per-gradient readbacks at the step (learner/overflow.py)
         self.device = self.engine.device  # batches are collated on the host and moved here
-        if self.device.type == "cuda":
-            apply_carveout(cfg.cluster, self.device)
         self.ref = load_frozen_reference(cfg).to(self.device) if (cfg.grpo.beta > 0 and cfg.model.lora is None) else None
         self.layout = decide_layout(cfg, model, self.device, held_before)  # after everything this rank holds is placed
         return self.rank
@@ -277,6 +274,7 @@ class Learner:
         batch_stats["learner/padding_frac"] = 1 - tokens / max(computed, 1)  # the forward's share spent on padding
         batch_stats["learner/gradient_checkpointing"] = float(self.layout.checkpointing)
         batch_stats["learner/liger_kernel"] = float(self.layout.liger)
+        batch_stats["learner/sm_carveout"] = float(self.layout.sm_carveout or 0)  # 0: every SM
         batch_stats.update(memory_peaks(self.device))
         for sm in step_metrics:
             sm.update(batch_stats)

@@ -1,6 +1,6 @@
 """How a learner rank runs its forwards, decided once at setup from the model, the job and the GPU, then read-only:
-whether sequences are packed, the token budget of a forward, gradient checkpointing, Liger's layers, the pad id,
-and what learner/mfu divides by."""
+whether sequences are packed, the token budget of a forward, gradient checkpointing, Liger's layers, the SMs its
+matmuls leave to an engine beside them, the pad id, and what learner/mfu divides by."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ class Layout:
     token_budget: int | None  # tokens per forward where sequences are regrouped by length; None: the plan's rows
     checkpointing: bool  # gradient checkpointing on
     liger: bool  # Liger's layers in the model
+    sm_carveout: int | None  # SMs the rank's matmuls leave to a rollout engine on its GPU (learner/sm_carveout.py)
     pad_id: int
     n_params: int  # every parameter, full sizes under ZeRO-3 (learner/mfu's 6·N per token)
     peak_flops: float | None  # the GPU's dense bf16 peak; None off a known GPU
@@ -43,6 +44,7 @@ def decide_layout(cfg, model, device, held_before: int = 0) -> Layout:
     from tandem.core.checks import language_model_config
     from tandem.learner.memory import forward_layout
     from tandem.learner.model import checkpointing, enable_checkpointing, packs_sequences, uses_liger
+    from tandem.learner.sm_carveout import apply_carveout
 
     cuda = device.type == "cuda"
     packed = packs_sequences(model)
@@ -53,6 +55,7 @@ def decide_layout(cfg, model, device, held_before: int = 0) -> Layout:
         enable_checkpointing(model)
     tok = AutoTokenizer.from_pretrained(cfg.model.local_dir())
     return Layout(packed=packed, token_budget=budget, checkpointing=checkpointing(model), liger=uses_liger(model),
+                  sm_carveout=apply_carveout(cfg.cluster, device) if cuda else None,
                   pad_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
                   n_params=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
                   peak_flops=peak_flops(device), pair_flops=attention_flops_per_pair(mc))

@@ -46,7 +46,7 @@ def test_a_colocated_learner_counts_the_engine_beside_it_once(tiny_model):
     """In one process (cluster.vllm_mode colocate) the engine's weights and KV cache are in torch's allocator when the
     learner places its model, and `engine_bytes` counts them as taken already: the learner's budget is what its own
     tensors leave. Counted twice, an engine of 0.6 of the device leaves the learner no room (one checkpointed
-    sequence a forward)."""
+    sequence a forward). The layout also leaves the engine its share of the SMs (cluster.learner_sm_carveout auto)."""
     from tandem.core.checks import language_model_config
     from tandem.core.config import JobConfig
     from tandem.learner.layout import decide_layout
@@ -62,6 +62,7 @@ def test_a_colocated_learner_counts_the_engine_beside_it_once(tiny_model):
                     "rollout_resources": {"num_gpus": 1}}})
     mc = language_model_config(tiny_model)
     torch.cuda.empty_cache()
+    blas = torch.backends.cuda.preferred_blas_library()
     engine = build_engine(cfg, seed=0)
     try:
         held = torch.cuda.memory_allocated()
@@ -75,5 +76,9 @@ def test_a_colocated_learner_counts_the_engine_beside_it_once(tiny_model):
         assert (layout.token_budget, layout.checkpointing) == (MAX_AUTO_TOKENS, False)
         twice = forward_layout(cfg, mc, True, (total, own + held))
         assert twice == (128, True), twice  # the old count: one full-length sequence, checkpointed
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert layout.sm_carveout == round(sms * 24 / 132) == torch._C._get_sm_carveout_experimental()
     finally:
         engine.close()
+        torch._C._set_sm_carveout_experimental(None)  # process-wide: the tests after this one get every SM
+        torch.backends.cuda.preferred_blas_library(blas)

@@ -72,6 +72,7 @@ def test_padding_free_micro_batches_match_the_padded_whole_batch(tmp_path, tiny_
     lr = started(Learner(cfg, optimizer=sgd(LR)))
     step = lr.train(groups)["steps"][0]
     assert step["learner/gradient_checkpointing"] == float(ckpt)  # auto: off on CPU
+    assert step["learner/sm_carveout"] == 0.0  # off a GPU every core is the learner's
     close({k.removeprefix("module."): v for k, v in lr.trainable_parameters().items()}, reference_step(cfg, groups, LR))
     real = sum(len(g.prompt_ids) * 4 + len(g.tokens) for g in groups)  # prompts once per completion
     assert step["learner/tokens_per_s"] * step["train_s"] == pytest.approx(real, rel=1e-6)  # no padding counted

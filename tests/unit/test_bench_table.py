@@ -85,6 +85,23 @@ def test_the_efficiencies_read_a_synchronous_run_from_another_call(e2e, tmp_path
     assert "tandem_k0" not in read
 
 
+def test_a_peer_from_another_call_is_a_marked_row(e2e, tmp_path):
+    """--from trl_async=PATH: the peer of another call (the same workload and card kind), its row and the ratios
+    against it marked as spanning two calls."""
+    lease, other = tmp_path / "lease", tmp_path / "other"
+    lease.mkdir(), other.mkdir()
+    (lease / "tandem_k1.json").write_text(json.dumps(K1))
+    (other / "trl_async.json").write_text(json.dumps(dict(PEER, completions_per_s=7.1)))
+    text, runs = e2e.table(lease, ["tandem_k1", "trl_async"], None, "trl_colocate",
+                           elsewhere={"trl_async": other / "trl_async.json"})
+    head, _, k1, peer, note = text.splitlines()
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    row = dict(zip(cols, [c.strip() for c in k1.strip("|").split("|")]))
+    assert row["candidate"] == "tandem_k1" and row["× trl_async"] == f"{21.3 / 7.1:.2f}"  # that run's, not PEER's
+    assert peer.startswith("| trl_async † |") and note == f"† trl_async: {other / 'trl_async.json'}"
+    assert runs["trl_async"]["completions_per_s"] == 7.1
+
+
 def test_where_the_gpu_peak_goes_names_each_process_by_its_role(e2e):
     assert e2e.gpu_process("12345, 20480\n") == (12345, 20480.0)
     assert e2e.gpu_process("12345, [N/A]") is None and e2e.gpu_process("") is None
