@@ -33,6 +33,13 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
+def positive_auto_or_null(name: str, v):
+    """`v` of a field that takes an int >= 1, auto or null; a ValueError naming the field where it is an int < 1."""
+    if isinstance(v, int) and v < 1:
+        raise ValueError(f"{name} = {v}; allowed: an int >= 1, auto or null")
+    return v
+
+
 # ---------------------------------------------------------------------------------------- model
 
 
@@ -86,9 +93,7 @@ class ModelConfig(_Section):
     @field_validator("max_tokens_per_forward")
     @classmethod
     def _positive_tokens(cls, v):
-        if isinstance(v, int) and v < 1:
-            raise ValueError(f"model.max_tokens_per_forward = {v}; allowed: an int >= 1, auto or null")
-        return v
+        return positive_auto_or_null("model.max_tokens_per_forward", v)
 
     def local_dir(self) -> str:
         """The model's directory on this node: `path`, or its Hub snapshot (tandem.core.hub.model_dir)."""
@@ -336,9 +341,7 @@ class ClusterConfig(_Section):
     @field_validator("learner_sm_carveout")
     @classmethod
     def _positive_sms(cls, v):
-        if isinstance(v, int) and v < 1:
-            raise ValueError(f"cluster.learner_sm_carveout = {v}; allowed: an int >= 1, auto or null")
-        return v
+        return positive_auto_or_null("cluster.learner_sm_carveout", v)
 
     @field_validator("vllm_gpu_memory_utilization")
     @classmethod
