@@ -13,13 +13,13 @@ import torch
 AUTO_SHARE = 24 / 132
 
 
-def carveout_sms(setting: int | str | None, vllm_mode: str, sms: int, supported: bool) -> int | None:
+def carveout_sms(setting: int | str | None, vllm_mode: str, sms: int, torch_has_it: bool) -> int | None:
     """SMs the learner leaves free: `setting` where it is a number; for `auto` AUTO_SHARE of the GPU's `sms` in the
-    colocated mode where torch `supported` the carveout, else none (two processes only take turns on a GPU, so
-    SMs left free by one are not the other's)."""
+    colocated mode where torch has the carveout, else none (two processes only take turns on a GPU, so SMs left
+    free by one are not the other's)."""
     if setting != "auto":
         return setting
-    return max(1, round(sms * AUTO_SHARE)) if vllm_mode == "colocate" and supported and sms > 1 else None
+    return max(1, round(sms * AUTO_SHARE)) if vllm_mode == "colocate" and torch_has_it and sms > 1 else None
 
 
 def apply_carveout(cluster, device) -> int | None:
@@ -34,6 +34,7 @@ def apply_carveout(cluster, device) -> int | None:
 
 
 def supported() -> bool:
+    """Whether this torch has the SM carveout (an experimental API: `torch._C`)."""
     return hasattr(torch._C, "_set_sm_carveout_experimental")
 
 
