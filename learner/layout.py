@@ -38,7 +38,8 @@ def decide_layout(cfg, model, device, held_before: int = 0) -> Layout:
     budget is what memory is left for activations. `held_before`: the bytes torch's allocator held in this process
     before the rank placed anything, a colocated engine's weights and KV cache (cluster.vllm_mode colocate), which
     `engine_bytes` already counts: counted twice, a colocated 7B learner on an 80 GiB GPU was left one sequence a
-    forward (bench/results/e2e_gpu_scale.md, the 2026-12-05 run at 8657804)."""
+    forward (bench/results/e2e_gpu_scale.md, the 2026-12-05 run at 8657804). On a GPU it also sets the SM carve-out
+    it reports (process-wide: learner/sm_carveout.py)."""
     from transformers import AutoTokenizer
 
     from tandem.core.checks import language_model_config
