@@ -1,5 +1,5 @@
-"""The agentic benchmark: tool-calling GRPO, side by side on one workload. Tandem `max_staleness` 0, 1 and 4 (`tools:`),
-TRL's `GRPOTrainer(tools=[add])` with vLLM colocated (TRL's tool loop as its users run it) and TRL's
+"""The agentic benchmark: tool-calling GRPO, side by side on one workload. Tandem `max_staleness` 0, 1 and 4 (`tools:`;
+4 also with the engine in the learner's process, `tandem_k4_colocate`), TRL's `GRPOTrainer(tools=[add])` with vLLM colocated (TRL's tool loop as its users run it) and TRL's
 `AsyncGRPOTrainer(tools=[add])` beside a vLLM server on the same GPU (`trl_async`, bench/e2e.py), the same model, data,
 tool, reward, LoRA, batch and sampling. The model has Qwen2.5-0.5B's shape and vocabulary size with Qwen2.5's chat
 template (TRL ships it: trl/chat_templates/qwen2_5.jinja, so TRL parses its tool calls), warmed up in the prepare
@@ -36,8 +36,9 @@ WORKLOADS = {
                 prompts=2, num_generations=8, max_tokens=200, per_device=16, ga=1, steps=4, warmup=1, lr=1e-4,
                 max_iterations=4, sft_steps=120, sft_batch=8, sft_lr=3e-3),
 }
-# tandem_k4: the staleness bound trl_async runs at by default (bench/e2e.py TRL_ASYNC_STALENESS)
-CANDIDATES = ("tandem_k0", "tandem_k1", "tandem_k4", "trl_tools", "trl_async")
+# tandem_k4: the staleness bound trl_async runs at by default (bench/e2e.py TRL_ASYNC_STALENESS); _colocate: the
+# engine in the learner's process (cluster.vllm_mode colocate: one CUDA context, the learner's matmuls leaving SMs free)
+CANDIDATES = ("tandem_k0", "tandem_k1", "tandem_k4", "tandem_k4_colocate", "trl_tools", "trl_async")
 
 
 # ------------------------------------------------------------------------------------ workload
@@ -130,7 +131,7 @@ def prepare(work: Path, wl: dict) -> dict:
 # ---------------------------------------------------------------------------------- candidates
 
 
-def tandem_job(paths, wl, k, args):
+def tandem_job(paths, wl, k, args, mode="server"):
     from tandem.core.config import JobConfig
 
     gpu = args.workload == "gpu"
@@ -146,7 +147,7 @@ def tandem_job(paths, wl, k, args):
                   "num_generations": wl["num_generations"], "max_steps": wl["steps"] + wl["warmup"] + e2e.END_STEPS},
         "grpo": {"loss_type": "dapo", "beta": 0.0},
         "optimizer": {"learning_rate": wl["lr"], "lr_scheduler_type": "constant"},
-        "cluster": {"num_rollout_workers": 1, "max_staleness": k,
+        "cluster": {"num_rollout_workers": 1, "max_staleness": k, "vllm_mode": mode,
                     "rollout_resources": res(args.rollout_gpus if gpu else 0),
                     "learner_resources": res(args.learner_gpus if gpu else 0),
                     "vllm_gpu_memory_utilization": args.vllm_memory},
@@ -156,7 +157,8 @@ def tandem_job(paths, wl, k, args):
 
 def run(candidate: str, paths, wl, args) -> dict:
     if candidate.startswith("tandem_k"):
-        return e2e.measure_tandem(tandem_job(paths, wl, int(candidate[-1]), args), wl, args.workload == "gpu")
+        k, _, mode = candidate.removeprefix("tandem_k").partition("_")
+        return e2e.measure_tandem(tandem_job(paths, wl, int(k), args, mode or "server"), wl, args.workload == "gpu")
     from agentic_task import add, correct_sum
 
     runner = e2e.run_trl_async if candidate == "trl_async" else e2e.run_trl  # TRL's asynchronous trainer, or its own
