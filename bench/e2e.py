@@ -463,7 +463,8 @@ def engine_start_s(ray, ctl) -> list:
     return ray.get(ctl.__ray_call__.remote(ask))
 
 
-CYCLE_KEYS = ("step", "generate_wait_s", "train_s", "publish_s", "cycle_s", "rollout_busy_s", "learner/time/forwards_s",
+CYCLE_KEYS = ("step", "generate_wait_s", "train_s", "publish_s", "cycle_s", "rollout_busy_s", "rollout/batch_sampling_s",
+              "rollout/group_sampling_s", "learner/time/forwards_s",
               "prompts_in_flight", "queue_depth", "count/batches_trained_ahead", "count/stale_dropped",
               "count/stale_stopped")
 
@@ -514,6 +515,7 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
         "s_per_step": per_step, "s_per_step_median": statistics.median(step_s), "step_s": step_s,
         "end_step_s": end_step_s,
         "gen_s_per_step": med("rollout_busy_s"), "train_s_per_step": med("train_s"),
+        "batch_sampling_s": med("rollout/batch_sampling_s"),  # a batch's groups, first hand-out to last return
         "completions_per_s": wl["prompts"] * wl["num_generations"] * len(rows) / wall,
         # completion tokens trained a second, as the peers' rows count theirs (mean length x completions over the
         # wall); the engine's own per-cycle figure counts a group's tokens in the cycle it finishes, which at

@@ -53,7 +53,13 @@ from tandem.services.orchestrator.group_buffer import GroupBuffer
 from tandem.services.orchestrator.pipeline import prompts_wanted, trained_ahead_allowed
 from tandem.services.orchestrator.prompt_source import PromptSource
 from tandem.services.orchestrator.rollout_pool import RolloutPool, lost_object
-from tandem.services.orchestrator.run_log import EXPORTED, RunLog, rollout_rates, series_name  # noqa: F401 - deploy/ reads EXPORTED
+from tandem.services.orchestrator.run_log import (  # noqa: F401 - deploy/ reads EXPORTED
+    EXPORTED,
+    RunLog,
+    rollout_rates,
+    sampling_times,
+    series_name,
+)
 from tandem.services.orchestrator.trackers import Trackers
 from tandem.services.orchestrator.trl_checkpoint import Epochs, trl_checkpoints, write_trl_checkpoint
 
@@ -463,7 +469,8 @@ class Controller:
                 self._stale(it.index, it.epoch, meta["stale_version"])
         elif not meta.get("failure"):
             self.failures.rewarded()
-            if not self.buffer.admit(dict(meta, index=it.index, epoch=it.epoch), ref):
+            times = {"handed_out_at": it.queued_at, "returned_at": time.time()}  # run_log.sampling_times
+            if not self.buffer.admit(dict(meta, index=it.index, epoch=it.epoch, **times), ref):
                 self.counters["groups_filtered"] += 1
         elif meta.get("fatal"):  # the function's answer has the wrong shape: every other row would fail the same way
             raise RewardContractError(meta["failure"])
@@ -540,7 +547,7 @@ class Controller:
             **rollout_rates(before, self._rollout_stats()),
             **{f"count/{k}": v for k, v in self.counters.items()},
             **(sampled if self.cfg.grpo.dynamic_sampling else {}),
-            **episode_metrics([m.get("episodes") for m, _ in batch]),
+            **episode_metrics([m.get("episodes") for m, _ in batch]), **sampling_times([m for m, _ in batch]),
         }
         return [dict(s, **extra) for s in steps]
 

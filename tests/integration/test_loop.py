@@ -130,6 +130,11 @@ def test_k0_samples_each_cycle_with_the_previous_version_and_resume_continues_or
         assert r["version"] == c + 1 and all(s["version_lag_max"] == 0 for s in r["steps"])
         # every publish served as the learner holds it: the sampler's log-probs are the learner's
         assert all(s["tis/sampler_abs_diff_mean"] <= SAME_WEIGHTS for s in r["steps"]), r["steps"]
+        # the batch's prompts went out before the cycle began waiting for them (at its start, or fed ahead by the
+        # cycle before), and its last group came back as the wait ended
+        s = r["steps"][-1]
+        assert s["rollout/batch_sampling_s"] >= s["generate_wait_s"] - 0.01, s
+        assert 0 < s["rollout/group_sampling_s"] <= s["rollout/batch_sampling_s"], s
         if c == 1:
             a.save_checkpoint()
     # max_staleness 0: every group of cycle c sampled with version c exactly

@@ -11,7 +11,7 @@ import pytest
 from tandem.services.orchestrator.checkpointer import Checkpointer, complete_checkpoints
 from tandem.services.orchestrator.group_buffer import GroupBuffer
 from tandem.services.orchestrator.prompt_source import MAX_REWARD_RETRIES, PromptSource, PromptTable
-from tandem.services.orchestrator.run_log import EXPORTED, RunLog, rollout_rates, series_name
+from tandem.services.orchestrator.run_log import EXPORTED, RunLog, rollout_rates, sampling_times, series_name
 
 
 def take(src, n):
@@ -134,6 +134,16 @@ def test_rollout_rates_divide_by_engine_busy_time_not_the_cycle():
     assert r["rollout_busy_s"] == 2.0
     idle = rollout_rates(before, {"t": 11.0, "workers": before["workers"]})
     assert idle["rollout/gen_tokens_per_s"] == 0.0 and idle["rollout/busy_frac"] == 0.0
+
+
+def test_sampling_times_are_a_groups_median_and_the_batch_from_first_hand_out_to_last_return():
+    metas = [{"handed_out_at": 100.0, "returned_at": 104.0}, {"handed_out_at": 101.0, "returned_at": 103.0},
+             {"handed_out_at": 110.0, "returned_at": 127.0},  # handed out later (a stale group sampled again)
+             {"version": 3}]  # no times: left out
+    t = sampling_times(metas)
+    assert t["rollout/group_sampling_s"] == 4.0  # spans 4, 2, 17
+    assert t["rollout/batch_sampling_s"] == 27.0  # 100 -> 127
+    assert sampling_times([{"version": 3}]) == {} and sampling_times([]) == {}
 
 
 def test_epoch_record_holds_every_use_once_in_bounded_space():
