@@ -1,10 +1,11 @@
 """The agentic benchmark: tool-calling GRPO, side by side on one workload. Tandem `max_staleness` 0, 1 and 4 (`tools:`;
-4 also with the engine in the learner's process, `tandem_k4_colocate`), TRL's `GRPOTrainer(tools=[add])` with vLLM colocated (TRL's tool loop as its users run it) and TRL's
-`AsyncGRPOTrainer(tools=[add])` beside a vLLM server on the same GPU (`trl_async`, bench/e2e.py), the same model, data,
-tool, reward, LoRA, batch and sampling. The model has Qwen2.5-0.5B's shape and vocabulary size with Qwen2.5's chat
-template (TRL ships it: trl/chat_templates/qwen2_5.jinja, so TRL parses its tool calls), warmed up in the prepare
-step by a short supervised stage to answer "what is a + b + c (+ d) ?" by calling `add` once per turn (2-3 tool
-turns), the tool an async function sleeping a seeded 0.2-1 s per call (bench/agentic_task.py).
+4 also with the engine in the learner's process, `tandem_k4_colocate`), TRL's `GRPOTrainer(tools=[add])` with vLLM
+colocated (TRL's tool loop as its users run it) and TRL's `AsyncGRPOTrainer(tools=[add])` beside a vLLM server on the
+same GPU (`trl_async`, bench/e2e.py), the same model, data, tool, reward, LoRA, batch and sampling. The model has
+Qwen2.5-0.5B's shape and vocabulary size with Qwen2.5's chat template (TRL ships it:
+trl/chat_templates/qwen2_5.jinja, so TRL parses its tool calls), warmed up in the prepare step by a short supervised
+stage to answer "what is a + b + c (+ d) ?" by calling `add` once per turn (2-3 tool turns), the tool an async
+function sleeping a seeded 0.2-1 s per call (bench/agentic_task.py).
 
   python3 bench/agentic.py prepare --workload gpu|cpu --dir WORK
   python3 bench/agentic.py run CANDIDATE --workload gpu|cpu --dir WORK --json OUT.json
