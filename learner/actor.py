@@ -45,6 +45,7 @@ from tandem.learner.non_finite import describe, non_finite_input
 from tandem.learner.overflow import check_in_one_readback
 from tandem.learner.process_group import join_process_group, open_store
 from tandem.learner.safe_load import refuse_pickles
+from tandem.learner.shared_weights import learner_device, share_engine_weights
 
 
 def _check_token_ids(groups, vocab: int):
@@ -135,8 +136,9 @@ class Learner:
         self.store = open_store(self.world)
         return ray.util.get_node_ip_address(), self.store.port
 
-    def setup(self, address: tuple[str, int] | None = None) -> int:
-        """`address`: rank 0's rendezvous(); None for a group of one rank."""
+    def setup(self, address: tuple[str, int] | None = None, engine_weights: tuple[dict, dict] | None = None) -> int:
+        """`address`: rank 0's rendezvous(); None for a group of one rank. `engine_weights`: a colocated engine's
+        (parameters, packed layers), which the frozen base reads where equal (learner/shared_weights.py)."""
         cfg = self.cfg
         raise_on_node(f"learner rank {self.rank}", [model_error(cfg)])
         check_learner_device(cfg)
@@ -151,6 +153,11 @@ class Learner:
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
         torch.manual_seed(cfg.seed)
         model = load_policy(cfg)
+        shared = share_engine_weights(model, *engine_weights, learner_device()) if engine_weights and \
+            cfg.cluster.zero_stage != 3 else 0  # ZeRO-3 would partition them away
+        if shared:
+            print(f"learner: {shared / 2**20:.1f} MiB of its frozen weights are the colocated engine's (views, not "
+                  "copies)", flush=True)
         params = [p for p in model.parameters() if p.requires_grad]
         o = cfg.optimizer
         warm = o.warmup_steps or math.ceil(o.warmup_ratio * launch.total_steps)
@@ -169,7 +176,7 @@ class Learner:
         check_in_one_readback(self.engine)  # DeepSpeed's per-gradient readbacks at the step (learner/overflow.py)
         self.device = self.engine.device  # batches are collated on the host and moved here
         self.ref = load_frozen_reference(cfg).to(self.device) if (cfg.grpo.beta > 0 and cfg.model.lora is None) else None
-        self.layout = decide_layout(cfg, model, self.device, held_before)  # after everything this rank holds is placed
+        self.layout = decide_layout(cfg, model, self.device, held_before, shared)  # once this rank's tensors are placed
         return self.rank
 
     # ----------------------------------------------------------------------------- helpers
@@ -275,6 +282,7 @@ class Learner:
         batch_stats["learner/gradient_checkpointing"] = float(self.layout.checkpointing)
         batch_stats["learner/liger_kernel"] = float(self.layout.liger)
         batch_stats["learner/sm_carveout"] = float(self.layout.sm_carveout or 0)  # 0: every SM
+        batch_stats["learner/engine_shared_gib"] = self.layout.engine_shared_gib
         batch_stats.update(memory_peaks(self.device))
         for sm in step_metrics:
             sm.update(batch_stats)

@@ -31,15 +31,17 @@ class Layout:
     n_params: int  # every parameter, full sizes under ZeRO-3 (learner/mfu's 6·N per token)
     peak_flops: float | None  # the GPU's dense bf16 peak; None off a known GPU
     pair_flops: int  # attention's FLOPs per (query, key) pair (0 where the shape is not known)
+    engine_shared_gib: float = 0.0  # frozen weights read from a colocated engine, not held (learner/shared_weights.py)
 
 
-def decide_layout(cfg, model, device, held_before: int = 0) -> Layout:
+def decide_layout(cfg, model, device, held_before: int = 0, shared: int = 0) -> Layout:
     """The layout of a rank whose model (DeepSpeed's module, on `device`) and frozen reference are placed: the token
     budget is what memory is left for activations. `held_before`: the bytes torch's allocator held in this process
     before the rank placed anything, a colocated engine's weights and KV cache (cluster.vllm_mode colocate), which
     `engine_bytes` already counts: counted twice, a colocated 7B learner on an 80 GiB GPU was left one sequence a
     forward (bench/results/e2e_gpu_scale.md, the 2026-12-05 run at 8657804). On a GPU it also sets the SM carve-out
-    it reports (process-wide: learner/sm_carveout.py)."""
+    it reports (process-wide: learner/sm_carveout.py). `shared`: the bytes of frozen weights the rank reads from that
+    engine (learner/shared_weights.py), which it holds no copy of."""
     from transformers import AutoTokenizer
 
     from tandem.core.checks import language_model_config
@@ -59,7 +61,8 @@ def decide_layout(cfg, model, device, held_before: int = 0) -> Layout:
                   sm_carveout=apply_carveout(cfg.cluster, device) if cuda else None,
                   pad_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
                   n_params=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
-                  peak_flops=peak_flops(device), pair_flops=attention_flops_per_pair(mc))
+                  peak_flops=peak_flops(device), pair_flops=attention_flops_per_pair(mc),
+                  engine_shared_gib=shared / 2**30)
 
 
 def attention_flops_per_pair(mc: dict | None) -> int:

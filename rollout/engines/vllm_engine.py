@@ -64,6 +64,10 @@ class TandemWorkerExtension:
         """The model's packed layers ({"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}), {} if it has none."""
         return dict(getattr(self.model_runner.model, "packed_modules_mapping", None) or {})
 
+    def tandem_parameters(self) -> dict:
+        """The model's parameters by vLLM's names (the tensors themselves: the engine runs in this process)."""
+        return dict(self.model_runner.model.named_parameters())
+
     def tandem_load_weights(self, items):
         model = self.model_runner.model
         self.model_runner.reload_weights(weights_iterator=iter(items))
@@ -284,6 +288,15 @@ class VLLMEngine(Engine):
 
     def lora_id(self, version: int) -> int:
         return self._adapters[version].lora_int_id
+
+    def frozen_weights(self) -> tuple[dict, dict]:
+        """(vLLM's parameters by name, its packed layers) where no publish rewrites them: a LoRA adapter served beside
+        the base weights. ({}, {}) for a merged adapter or full weights, which each publish reloads in place. A
+        colocated learner reads its frozen base from them (learner/shared_weights.py)."""
+        if self.lora is None or self.serves_one_version:
+            return {}, {}
+        return (self.llm.collective_rpc("tandem_parameters")[0],
+                self.llm.collective_rpc("tandem_packed_modules")[0])
 
     def load_weights(self, version, tensors):
         """tensors: {HF name: weight}, or (name, weight) pairs made as vLLM takes them (AdapterMerge.merged); on a

@@ -58,7 +58,20 @@ class ColocatedWorker(RolloutWorker):
         if torch.cuda.is_available():
             self._learner_stream = torch.cuda.Stream()  # non-blocking: no implicit wait on the engine's
         with self._on_learner_stream():
-            return self._learner.setup(address)
+            return self._learner.setup(address, self._engine_weights())
+
+    def _engine_weights(self) -> tuple[dict, dict]:
+        """The engine's weights that no publish rewrites, and its packed layers: the learner's frozen base reads them
+        where they equal its own (learner/shared_weights.py). ({}, {}) where the engine gives none."""
+        frozen = getattr(self.engine, "frozen_weights", None)  # a vLLM engine's (model.fast_inference)
+        if frozen is None:
+            return {}, {}
+        try:
+            return frozen()
+        except Exception as e:  # noqa: BLE001 - an engine that cannot say leaves the learner its own weights
+            print(f"ColocatedWorker: the engine's weights are not shared with the learner ({type(e).__name__}: "
+                  f"{str(e)[:200]}): the learner holds its own", flush=True)
+            return {}, {}
 
     @contextlib.contextmanager
     def _on_learner_stream(self):

@@ -306,8 +306,9 @@ class ClusterConfig(_Section):
     vllm_mode: Literal["server", "colocate"] = Field(
         "server", description="TRL's name: 'server' = every rollout engine in a Ray actor of its own; 'colocate' = "
         "the first rollout worker's engine in the learner's process (one actor asking for both resources: one "
-        "process importing torch, transformers and Ray fewer; needs num_processes 1). Workers beyond the first, "
-        "and `tandem scale`, add server-mode ones")
+        "process importing torch, transformers and Ray fewer; needs num_processes 1; with a LoRA adapter served, not "
+        "merged, the learner's frozen base weights are the engine's tensors, not a second copy). Workers beyond the "
+        "first, and `tandem scale`, add server-mode ones")
     learner_sm_carveout: int | Literal["auto"] | None = Field(
         "auto", description="streaming multiprocessors the learner's matmuls leave free for a rollout engine "
         "sharing its GPU (vllm_mode colocate, or under CUDA MPS): its GEMMs go through cuBLASLt with an SM count "

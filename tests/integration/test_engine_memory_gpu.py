@@ -82,3 +82,34 @@ def test_a_colocated_learner_counts_the_engine_beside_it_once(tiny_model):
         engine.close()
         torch._C._set_sm_carveout_experimental(None)  # process-wide: the tests after this one get every SM
         torch.backends.cuda.preferred_blas_library(blas)
+
+
+def test_a_colocated_policy_reads_every_frozen_weight_from_the_engine(tiny_model):
+    """On a GPU vLLM keeps the weights as loaded (packed q/k/v and gate/up): a colocated policy's frozen base is
+    views of them, and placing the policy adds none of it to the process (learner/shared_weights.py)."""
+    from tandem.core.config import JobConfig
+    from tandem.learner.model import load_policy
+    from tandem.learner.shared_weights import checkpoint_name, learner_device, share_engine_weights
+    from tandem.rollout.worker import build_engine
+
+    cfg = JobConfig.from_dict({
+        "model": {"path": tiny_model, "dtype": "bfloat16", "lora": {"r": 8}}, "data": {"path": "d.jsonl"},
+        "rewards": ["r:f"], "generation": {"max_prompt_length": 32, "max_completion_length": 96},
+        "batch": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_generations": 8},
+        "cluster": {"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3, "vllm_enforce_eager": True,
+                    "rollout_resources": {"num_gpus": 1}}})
+    torch.cuda.empty_cache()
+    engine = build_engine(cfg, seed=0)
+    try:
+        model = load_policy(cfg)
+        frozen = {checkpoint_name(n): p for n, p in model.named_parameters() if not p.requires_grad}
+        frozen_bytes = sum(p.numel() * p.element_size() for p in frozen.values())
+        held = torch.cuda.memory_allocated()
+        shared = share_engine_weights(model, *engine.frozen_weights(), learner_device())
+        assert shared == frozen_bytes, (shared, frozen_bytes, [n for n, p in frozen.items() if p.device.type == "cpu"])
+        model.to(learner_device())  # what DeepSpeed does: only the adapter is left to place
+        trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        assert torch.cuda.memory_allocated() - held <= trainable + (4 << 20)
+    finally:
+        engine.close()
+

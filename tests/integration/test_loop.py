@@ -112,8 +112,11 @@ def test_colocated_learner_and_engine_share_one_process_and_lose_nothing(ray_ses
     assert all(c - k <= v <= c for c, groups in enumerate(by_cycle) for _, _, v in groups)
     inside = ray_session.get(ctl.workers[0].__ray_call__.remote(
         lambda self: (self._learner.learner.steps, self.version, type(self.engine).__name__,
-                      os.environ.get("MALLOC_ARENA_MAX"), os.environ.get("OMP_NUM_THREADS"))))
-    assert inside == (cycles, cycles, "VLLMEngine", "2", "1")  # trained and served there; one thread per role
+                      os.environ.get("MALLOC_ARENA_MAX"), os.environ.get("OMP_NUM_THREADS"),
+                      self._learner.learner.layout.engine_shared_gib)))
+    # trained and served there; one thread per role; the engine's adapter merged (this CPU's default), so each
+    # publish rewrites its weights and the learner reads none of them (tests/integration/test_shared_weights.py)
+    assert inside == (cycles, cycles, "VLLMEngine", "2", "1", 0.0)
     check_accounting(ctl, 16)
     ctl.shutdown()
 
