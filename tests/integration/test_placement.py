@@ -5,6 +5,7 @@ then rollout workers). Checks the GPU Ray gives each (and the CUDA_VISIBLE_DEVIC
 refusal of learner ranks packed onto one GPU, and the environment each role starts with."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -67,7 +68,9 @@ print(json.dumps({
 
 
 def test_each_role_lands_on_the_gpus_its_resources_say():
-    r = subprocess.run([sys.executable, "-c", f"ROOT = {str(ROOT)!r}\n" + SCRIPT], capture_output=True,
+    # the roles' environment is what their actor classes set, not what this test process holds
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "TORCHDYNAMO_DISABLE")}
+    r = subprocess.run([sys.executable, "-c", f"ROOT = {str(ROOT)!r}\n" + SCRIPT], capture_output=True, env=env,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])

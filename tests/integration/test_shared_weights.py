@@ -12,12 +12,22 @@ pytestmark = pytest.mark.integration
 REWARD = f"{ROOT}/examples/rewards.py:digits_reward"
 
 
+@pytest.fixture
+def in_process_engine(monkeypatch):
+    """What a vLLM engine built in this process sets (tandem.core.compat.before_vllm_import), undone after the test:
+    tests after it start subprocesses and actors that must not inherit it."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+
+
 def logits(model, ids):
     with torch.no_grad():
         return model(input_ids=ids).logits
 
 
-def test_the_policy_reads_its_frozen_weights_from_the_engine_and_computes_the_same(tmp_path, tiny_model):
+def test_the_policy_reads_its_frozen_weights_from_the_engine_and_computes_the_same(tmp_path, tiny_model,
+                                                                                   in_process_engine):
     from tandem.learner.model import load_policy
     from tandem.learner.shared_weights import checkpoint_name, share_engine_weights
     from tandem.rollout.worker import build_engine
@@ -64,7 +74,7 @@ def test_the_policy_reads_its_frozen_weights_from_the_engine_and_computes_the_sa
         engine.close()
 
 
-def test_an_engine_whose_publish_rewrites_its_weights_gives_none(tmp_path, tiny_model):
+def test_an_engine_whose_publish_rewrites_its_weights_gives_none(tmp_path, tiny_model, in_process_engine):
     from tandem.rollout.worker import build_engine
 
     cfg = make_job(tmp_path, tiny_model, [REWARD], cluster={"vllm_mode": "colocate"})  # merged on this CPU
