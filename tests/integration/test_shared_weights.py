@@ -18,7 +18,10 @@ def in_process_engine(monkeypatch):
     tests after it start subprocesses and actors that must not inherit it."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    dynamo = torch._dynamo.config
+    disabled = dynamo.disable
+    yield
+    dynamo.disable = disabled
 
 
 def logits(model, ids):
