@@ -42,24 +42,31 @@ def test_an_auto_engine_holds_what_the_controller_keeps_in_it_within_what_the_le
         engine.close()
 
 
+def colocated_job(tiny_model, share: float):
+    """A bf16 LoRA job on the tiny model, its engine in the learner's process (vllm_mode colocate) at `share` of the
+    GPU."""
+    from tandem.core.config import JobConfig
+
+    return JobConfig.from_dict({
+        "model": {"path": tiny_model, "dtype": "bfloat16", "lora": {"r": 8}}, "data": {"path": "d.jsonl"},
+        "rewards": ["r:f"], "generation": {"max_prompt_length": 32, "max_completion_length": 96},
+        "batch": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_generations": 8},
+        "cluster": {"vllm_mode": "colocate", "vllm_gpu_memory_utilization": share, "vllm_enforce_eager": True,
+                    "rollout_resources": {"num_gpus": 1}}})
+
+
 def test_a_colocated_learner_counts_the_engine_beside_it_once(tiny_model):
     """In one process (cluster.vllm_mode colocate) the engine's weights and KV cache are in torch's allocator when the
     learner places its model, and `engine_bytes` counts them as taken already: the learner's budget is what its own
     tensors leave. Counted twice, an engine of 0.6 of the device leaves the learner no room (one checkpointed
     sequence a forward). The layout also leaves the engine its share of the SMs (cluster.learner_sm_carveout auto)."""
     from tandem.core.checks import language_model_config
-    from tandem.core.config import JobConfig
     from tandem.learner.layout import decide_layout
     from tandem.learner.memory import MAX_AUTO_TOKENS, forward_layout
     from tandem.learner.model import load_policy
     from tandem.rollout.worker import build_engine
 
-    cfg = JobConfig.from_dict({
-        "model": {"path": tiny_model, "dtype": "bfloat16", "lora": {"r": 8}}, "data": {"path": "d.jsonl"},
-        "rewards": ["r:f"], "generation": {"max_prompt_length": 32, "max_completion_length": 96},
-        "batch": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_generations": 8},
-        "cluster": {"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.6, "vllm_enforce_eager": True,
-                    "rollout_resources": {"num_gpus": 1}}})
+    cfg = colocated_job(tiny_model, 0.6)
     mc = language_model_config(tiny_model)
     torch.cuda.empty_cache()
     blas = torch.backends.cuda.preferred_blas_library()
@@ -87,17 +94,11 @@ def test_a_colocated_learner_counts_the_engine_beside_it_once(tiny_model):
 def test_a_colocated_policy_reads_every_frozen_weight_from_the_engine(tiny_model):
     """On a GPU vLLM keeps the weights as loaded (packed q/k/v and gate/up): a colocated policy's frozen base is
     views of them, and placing the policy adds none of it to the process (learner/shared_weights.py)."""
-    from tandem.core.config import JobConfig
     from tandem.learner.model import load_policy
     from tandem.learner.shared_weights import checkpoint_name, learner_device, share_engine_weights
     from tandem.rollout.worker import build_engine
 
-    cfg = JobConfig.from_dict({
-        "model": {"path": tiny_model, "dtype": "bfloat16", "lora": {"r": 8}}, "data": {"path": "d.jsonl"},
-        "rewards": ["r:f"], "generation": {"max_prompt_length": 32, "max_completion_length": 96},
-        "batch": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_generations": 8},
-        "cluster": {"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3, "vllm_enforce_eager": True,
-                    "rollout_resources": {"num_gpus": 1}}})
+    cfg = colocated_job(tiny_model, 0.3)
     torch.cuda.empty_cache()
     engine = build_engine(cfg, seed=0)
     try:
