@@ -61,4 +61,6 @@ def share_engine_weights(model, engine: dict, packed: dict, device) -> int:
         if torch.equal(p.data.to(device), view):
             p.data = view
             shared += view.numel() * view.element_size()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the copies compared: none of them should stay reserved in the process's peak
     return shared
