@@ -153,8 +153,9 @@ class Learner:
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
         torch.manual_seed(cfg.seed)
         model = load_policy(cfg)
-        shared = share_engine_weights(model, *engine_weights, learner_device()) if engine_weights and \
-            cfg.cluster.zero_stage != 3 else 0  # ZeRO-3 would partition them away
+        shared = 0
+        if engine_weights and cfg.cluster.zero_stage != 3:  # ZeRO-3 would partition them away
+            shared = share_engine_weights(model, *engine_weights, learner_device())
         if shared:
             print(f"learner: {shared / 2**20:.1f} MiB of its frozen weights are the colocated engine's (views, not "
                   "copies)", flush=True)

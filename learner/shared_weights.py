@@ -16,6 +16,11 @@ def checkpoint_name(name: str) -> str:
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
+def frozen_parameters(model) -> dict:
+    """The model's parameters that no optimizer step moves, by checkpoint name."""
+    return {checkpoint_name(n): p for n, p in model.named_parameters() if not p.requires_grad}
+
+
 def engine_views(engine: dict, packed: dict, shapes: dict) -> dict:
     """Checkpoint name -> the engine's tensor, or the slice of it that holds that tensor. `engine`: vLLM's parameters
     by name (a LoRA layer's base under `.base_layer.`); `packed`: the engine's packed layers ({"qkv_proj": ["q_proj",
@@ -52,7 +57,7 @@ def share_engine_weights(model, engine: dict, packed: dict, device) -> int:
     """Each frozen tensor of `model` that equals its slice of the engine's weights (on `device`) becomes a view of it;
     the rest stay the model's own, for DeepSpeed to place. -> the bytes now read from the engine."""
     device = torch.device(device)
-    frozen = {checkpoint_name(n): p for n, p in model.named_parameters() if not p.requires_grad}
+    frozen = frozen_parameters(model)
     shared = 0
     for name, view in engine_views(engine, packed, {n: p.shape for n, p in frozen.items()}).items():
         p = frozen[name]

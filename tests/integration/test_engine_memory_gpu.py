@@ -95,7 +95,7 @@ def test_a_colocated_policy_reads_every_frozen_weight_from_the_engine(tiny_model
     """On a GPU vLLM keeps the weights as loaded (packed q/k/v and gate/up): a colocated policy's frozen base is
     views of them, and placing the policy adds none of it to the process (learner/shared_weights.py)."""
     from tandem.learner.model import load_policy
-    from tandem.learner.shared_weights import checkpoint_name, learner_device, share_engine_weights
+    from tandem.learner.shared_weights import frozen_parameters, learner_device, share_engine_weights
     from tandem.rollout.worker import build_engine
 
     cfg = colocated_job(tiny_model, 0.3)
@@ -103,7 +103,7 @@ def test_a_colocated_policy_reads_every_frozen_weight_from_the_engine(tiny_model
     engine = build_engine(cfg, seed=0)
     try:
         model = load_policy(cfg)
-        frozen = {checkpoint_name(n): p for n, p in model.named_parameters() if not p.requires_grad}
+        frozen = frozen_parameters(model)
         frozen_bytes = sum(p.numel() * p.element_size() for p in frozen.values())
         held = torch.cuda.memory_allocated()
         shared = share_engine_weights(model, *engine.frozen_weights(), learner_device())

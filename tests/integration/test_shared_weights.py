@@ -32,7 +32,7 @@ def logits(model, ids):
 def test_the_policy_reads_its_frozen_weights_from_the_engine_and_computes_the_same(tmp_path, tiny_model,
                                                                                    in_process_engine):
     from tandem.learner.model import load_policy
-    from tandem.learner.shared_weights import checkpoint_name, share_engine_weights
+    from tandem.learner.shared_weights import checkpoint_name, frozen_parameters, share_engine_weights
     from tandem.rollout.worker import build_engine
 
     cfg = make_job(tmp_path, tiny_model, [REWARD], cluster={"vllm_mode": "colocate", "vllm_merge_adapter": False})
@@ -43,7 +43,7 @@ def test_the_policy_reads_its_frozen_weights_from_the_engine_and_computes_the_sa
         model = load_policy(cfg)
         ids = torch.tensor([[3, 17, 42, 7, 99, 5]])
         before = logits(model, ids)
-        frozen = {checkpoint_name(n): p for n, p in model.named_parameters() if not p.requires_grad}
+        frozen = frozen_parameters(model)
         own = {n: p.data.clone() for n, p in frozen.items()}
         # the engine's norm made different: that tensor stays the policy's own
         changed = dict(params, **{"model.norm.weight": params["model.norm.weight"] + 1})
