@@ -120,9 +120,11 @@ def on_gpu(workload: str) -> bool:
 
 
 # Tandem's candidates: max_staleness, cluster.vllm_mode, model.fast_inference
+# tandem_k2_colocate: two batches out while one trains (the engine's batch shared by twice the sequences)
 # tandem_k4: the bound TRL's AsyncGRPOTrainer runs at by default (TRL_ASYNC_STALENESS), a row beside trl_async
 TANDEM = {"tandem_k0": (0, "server", True), "tandem_k1": (1, "server", True), "tandem_k4": (4, "server", True),
           "tandem_k0_colocate": (0, "colocate", True), "tandem_k1_colocate": (1, "colocate", True),
+          "tandem_k2_colocate": (2, "colocate", True),
           "tandem_k0_generate": (0, "server", False), "tandem_k1_generate": (1, "server", False)}
 # the same job on two Ray nodes of this machine (run_tandem_nodes): max_staleness
 TANDEM_NODES = {"tandem_k1_nodes": 1}
