@@ -545,6 +545,8 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
         # the learner process's own peaks (torch's allocator; colocated, the engine's tensors too) beside nvidia-smi's
         "learner_peak_allocated_gib": top("learner/peak_allocated_gib"),
         "learner_peak_reserved_gib": top("learner/peak_reserved_gib"),
+        "learner_outside_allocator_gib": top("learner/outside_allocator_gib"),  # CUDA context, NCCL, workspaces
+        "engine_shared_gib": med("learner/engine_shared_gib"),  # colocated: frozen weights read from the engine's
         "learner_nodes": placed["learner"], "rollout_nodes": placed["rollout"],
         **{f"learner_{p}_s": med(f"learner/time/{p}_s") for p in ("prepare", "forwards", "finish")},
         # each measured step's split, where a mean hides a long step (which stage it was, what was out)

@@ -4,6 +4,7 @@ renamed metric must be listed again: its spelling decides nothing), and the gene
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
@@ -103,8 +104,33 @@ def memory_peaks(device) -> dict:
     if torch.device(device).type != "cuda":
         return {}
     gib = float(1 << 30)
-    return {"learner/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
-            "learner/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib}
+    out = {"learner/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
+           "learner/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib}
+    held = process_gpu_bytes()
+    if held is not None:  # the CUDA context, NCCL's buffers, library workspaces: what no tensor of torch's accounts for
+        out["learner/outside_allocator_gib"] = (held - torch.cuda.memory_reserved(device)) / gib
+    return out
+
+
+def process_gpu_bytes(pid: int | None = None) -> int | None:
+    """What the driver counts for process `pid` (this one by default) on every GPU it sees, as nvidia-smi lists it
+    (NVML); None where NVML is missing or does not list the process (a PID namespace it cannot see into)."""
+    try:
+        import pynvml
+    except ImportError:
+        try:
+            from vllm.third_party import pynvml  # vLLM carries its own copy; a GPU learner has vLLM installed
+        except ImportError:
+            return None
+    pid = os.getpid() if pid is None else pid
+    try:
+        pynvml.nvmlInit()
+        used = [p.usedGpuMemory for i in range(pynvml.nvmlDeviceGetCount())
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i))
+                if p.pid == pid and p.usedGpuMemory is not None]
+    except pynvml.NVMLError:
+        return None
+    return sum(used) if used else None
 
 
 def train_phases(start: float, prepared: float, trained: float, end: float) -> dict:

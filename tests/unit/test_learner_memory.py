@@ -2,6 +2,8 @@
 backward in a real Qwen2 with LoRA on every linear layer (counted through saved-tensor hooks), and the decision
 against the arithmetic written out."""
 
+import os
+
 import pytest
 import torch
 
@@ -167,7 +169,7 @@ def test_a_gpu_learner_grows_its_allocator_segments_unless_the_job_says_otherwis
     """The learner's forwards change size; fixed segments keep blocks the next forward does not fit (tandem/core/
     compat.py). A setting of the job's own stands; a CPU learner is left alone; off a GPU no peaks are reported."""
     from tandem.core.compat import GPU_ALLOCATOR, learner_env_vars
-    from tandem.learner.metrics import memory_peaks
+    from tandem.learner.metrics import memory_peaks, process_gpu_bytes
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     assert learner_env_vars(True)["PYTORCH_CUDA_ALLOC_CONF"] == GPU_ALLOCATOR == "expandable_segments:True"
@@ -175,3 +177,19 @@ def test_a_gpu_learner_grows_its_allocator_segments_unless_the_job_says_otherwis
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     assert learner_env_vars(True)["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
     assert memory_peaks("cpu") == {}
+    if not torch.cuda.is_available():
+        assert process_gpu_bytes() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: bench/device/cuda_tests.sh")
+def test_a_gpu_learner_reports_what_its_process_holds_beyond_torchs_allocator():
+    """learner/outside_allocator_gib: the driver's count for the process (NVML) less torch's reserve; a CUDA context
+    alone is over 64 MiB, so a wrong sign or the whole GPU's use (every process) breaks the bounds."""
+    from tandem.learner.metrics import memory_peaks, process_gpu_bytes
+
+    x = torch.ones(256 << 20, dtype=torch.uint8, device="cuda")  # 256 MiB in torch's allocator
+    held = process_gpu_bytes()
+    assert held is not None and held >= torch.cuda.memory_reserved() + (64 << 20), (held, torch.cuda.memory_reserved())
+    assert 1 / 16 < memory_peaks("cuda")["learner/outside_allocator_gib"] < 4
+    assert process_gpu_bytes(os.getppid()) is None  # the shell that started pytest holds nothing on a GPU
+    del x
