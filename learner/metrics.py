@@ -106,10 +106,17 @@ def memory_peaks(device) -> dict:
     gib = float(1 << 30)
     out = {"learner/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
            "learner/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib}
-    held = process_gpu_bytes()
-    if held is not None:  # the CUDA context, NCCL's buffers, library workspaces: what no tensor of torch's accounts for
-        out["learner/outside_allocator_gib"] = (held - torch.cuda.memory_reserved(device)) / gib
+    outside = outside_allocator_gib(device)
+    if outside is not None:
+        out["learner/outside_allocator_gib"] = outside
     return out
+
+
+def outside_allocator_gib(device) -> float | None:
+    """What the driver counts for this process beyond what torch's allocator holds now: the CUDA context, NCCL's
+    buffers, library workspaces, which no tensor of torch's accounts for. None off a GPU or where NVML cannot say."""
+    held = process_gpu_bytes() if torch.device(device).type == "cuda" else None
+    return None if held is None else (held - torch.cuda.memory_reserved(device)) / float(1 << 30)
 
 
 def process_gpu_bytes(pid: int | None = None) -> int | None:
