@@ -11,7 +11,8 @@ bash bench/device/trl_async_wheels.sh install
 CUDA_TESTS="tests/unit/test_fused_layers.py tests/unit/test_padding_free.py tests/unit/test_sm_carveout.py
   tests/unit/test_weights_payload.py tests/unit/test_kernels_triton.py tests/unit/test_grpo_loss_path.py
   tests/unit/test_config.py tests/unit/test_trl_async_attention.py tests/integration/test_engine_memory_gpu.py
-  tests/unit/test_bench_prepare.py tests/unit/test_learner_memory.py"
+  tests/unit/test_bench_prepare.py tests/unit/test_learner_memory.py
+  tests/unit/test_one_rank_group.py"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 git rev-parse --short HEAD 2>/dev/null || true
 python3 -m pytest -q -p no:cacheprovider -rs $CUDA_TESTS 2>&1 | tee "${OUT:-/tmp}/cuda_tests.txt" | tail -40
