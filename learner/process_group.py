@@ -26,6 +26,8 @@ def join_process_group(rank: int, world: int, address: tuple[str, int] | None, s
     import torch.distributed as dist
     from torch.distributed.constants import default_pg_timeout
 
+    from tandem.learner.one_rank_group import ONE_RANK
+
     if dist.is_initialized():
         return
     if rank == 0 and store is None:
@@ -37,7 +39,7 @@ def join_process_group(rank: int, world: int, address: tuple[str, int] | None, s
             raise ValueError(f"learner rank {rank} of {world}: setup() needs rank 0's rendezvous address (host, port)")
         host, port = address
         store = dist.TCPStore(host, int(port), world, is_master=False, timeout=default_pg_timeout)
-    if world == 1:  # no communicator to build: every collective of a group of one is done in place (OneRankGroup)
+    if world == 1:  # no communicator to build: every collective of a group of one is done in place (learner/one_rank_group.py)
         dist.init_process_group(ONE_RANK, store=store, rank=0, world_size=1, timeout=default_pg_timeout)
         return
     cuda = torch.cuda.is_available()
@@ -47,109 +49,3 @@ def join_process_group(rank: int, world: int, address: tuple[str, int] | None, s
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world,
                             timeout=default_pg_timeout, **kwargs)
 
-
-ONE_RANK = "tandem_one_rank"
-
-
-def _done(result=None):
-    """A collective's handle, already complete."""
-    from torch._C._distributed_c10d import _create_work_from_future
-    from torch.futures import Future
-
-    fut = Future()
-    fut.set_result(result)
-    return _create_work_from_future(fut)
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if dst.data_ptr() != src.data_ptr() or dst.shape != src.shape:
-        dst.copy_(src.reshape(dst.shape))
-
-
-def _one_rank_group_class():
-    import torch.distributed as dist
-
-    class OneRankGroup(dist.ProcessGroup):
-        """torch.distributed's group for a learner alone. Each collective of a group of one leaves its tensors as they
-        are, or copies its input into its output where the two differ; no reduction changes a value (PREMUL_SUM, the
-        one that would, is refused). In a world of one DeepSpeed still broadcasts every parameter at `initialize`,
-        all-reduces the gradients each step and takes barriers at each save: under NCCL the first of those brings up a
-        communicator, half a GiB of the GPU for nothing to talk to (`learner/outside_allocator_gib`). The method names
-        are those torch.distributed calls: `_allgather_base`/`_reduce_scatter_base` (torch 2.11) and
-        `all_gather_single`/`reduce_scatter_single` (2.13)."""
-
-        def __init__(self):
-            super().__init__(0, 1)
-
-        def getBackendName(self):
-            return ONE_RANK
-
-        def size(self):
-            return 1
-
-        def rank(self):
-            return 0
-
-        def barrier(self, opts=None):
-            return _done()
-
-        def broadcast(self, tensors, opts=None):
-            return _done(tensors)
-
-        def allreduce(self, tensors, opts=None):
-            if opts is not None and opts.reduceOp == dist.ReduceOp.PREMUL_SUM:
-                raise ValueError(f"{ONE_RANK}: all_reduce with PREMUL_SUM; this group does SUM, AVG, MIN, MAX, PRODUCT")
-            return _done(tensors)
-
-        allreduce_coalesced = reduce = allreduce
-
-        def allgather(self, outputs, inputs, opts=None):  # outputs [[t]], inputs [t]
-            for out, t in zip(outputs, inputs, strict=True):
-                _copy(out[0], t)
-            return _done(outputs)
-
-        allgather_coalesced = gather = allgather
-
-        def scatter(self, outputs, inputs, opts=None):  # outputs [t], inputs [[t]]
-            for out, t in zip(outputs, inputs, strict=True):
-                _copy(out, t[0])
-            return _done(outputs)
-
-        def reduce_scatter(self, outputs, inputs, opts=None):
-            return self.scatter(outputs, inputs)
-
-        def _allgather_base(self, output, input, opts=None):
-            _copy(output, input)
-            return _done([output])
-
-        all_gather_single = _reduce_scatter_base = reduce_scatter_single = _allgather_base
-
-        def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-            for out, t in zip(outputs, inputs, strict=True):
-                _copy(out, t)
-            return _done(outputs)
-
-        all_gather_single_coalesced = reduce_scatter_single_coalesced = allgather_into_tensor_coalesced
-        reduce_scatter_tensor_coalesced = allgather_into_tensor_coalesced
-
-        def alltoall_base(self, output, input, output_splits=None, input_splits=None, opts=None):
-            _copy(output, input)
-            return _done([output])
-
-        all_to_all_single = alltoall_base
-
-        def alltoall(self, outputs, inputs, opts=None):
-            return self.allgather_into_tensor_coalesced(outputs, inputs)
-
-    return OneRankGroup
-
-
-def _register_one_rank_group() -> None:
-    import torch.distributed as dist
-
-    if not hasattr(dist.Backend, ONE_RANK.upper()):
-        group = _one_rank_group_class()
-        dist.Backend.register_backend(ONE_RANK, lambda store, rank, size, timeout: group(), devices=["cpu", "cuda"])
-
-
-_register_one_rank_group()

@@ -1,4 +1,4 @@
-"""A learner alone (`num_processes: 1`) joins torch.distributed through learner/process_group.py's OneRankGroup:
+"""A learner alone (`num_processes: 1`) joins torch.distributed through learner/one_rank_group.py:
 every collective DeepSpeed issues in a world of one is done in place, none reaches NCCL (whose communicator would
 take GPU memory for nothing to talk to). Each check runs in a fresh process, as the default group is process-wide."""
 
@@ -12,7 +12,8 @@ from tests.helpers import ROOT
 
 SCRIPT = r"""
 import torch, torch.distributed as dist
-from tandem.learner.process_group import ONE_RANK, join_process_group
+from tandem.learner.one_rank_group import ONE_RANK
+from tandem.learner.process_group import join_process_group
 
 device = "{device}"
 join_process_group(0, 1, None)
