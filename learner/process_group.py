@@ -10,6 +10,8 @@ import os
 
 import torch
 
+from tandem.learner.one_rank_group import ONE_RANK
+
 
 def open_store(world: int):
     """Rank 0's store, listening on every interface of this node at a port the kernel picked (its `.port`)."""
@@ -26,8 +28,6 @@ def join_process_group(rank: int, world: int, address: tuple[str, int] | None, s
     import torch.distributed as dist
     from torch.distributed.constants import default_pg_timeout
 
-    from tandem.learner.one_rank_group import ONE_RANK
-
     if dist.is_initialized():
         return
     if rank == 0 and store is None:
@@ -39,7 +39,7 @@ def join_process_group(rank: int, world: int, address: tuple[str, int] | None, s
             raise ValueError(f"learner rank {rank} of {world}: setup() needs rank 0's rendezvous address (host, port)")
         host, port = address
         store = dist.TCPStore(host, int(port), world, is_master=False, timeout=default_pg_timeout)
-    if world == 1:  # no communicator to build: every collective of a group of one is done in place (learner/one_rank_group.py)
+    if world == 1:  # nothing to communicate: each collective done in place (learner/one_rank_group.py)
         dist.init_process_group(ONE_RANK, store=store, rank=0, world_size=1, timeout=default_pg_timeout)
         return
     cuda = torch.cuda.is_available()
@@ -48,4 +48,3 @@ def join_process_group(rank: int, world: int, address: tuple[str, int] | None, s
         kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world,
                             timeout=default_pg_timeout, **kwargs)
-
