@@ -47,6 +47,12 @@ class OneRankGroup(dist.ProcessGroup):
     def barrier(self, opts=None):
         return _done()
 
+    def _start_coalescing(self, device):  # torch's _coalescing_manager, as DeepSpeed's all_gather_coalesced uses it
+        pass
+
+    def _end_coalescing(self, device):
+        return _done()
+
     def broadcast(self, tensors, opts=None):
         return _done(tensors)
 

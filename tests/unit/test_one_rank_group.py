@@ -42,6 +42,13 @@ dist.all_reduce(y, group=sub)
 assert y.tolist() == [1.0, 1.0, 1.0] and dist.get_backend(sub) == ONE_RANK
 work = dist.all_reduce(y, async_op=True)
 work.wait()
+from torch.distributed.distributed_c10d import _coalescing_manager  # DeepSpeed's all_gather_coalesced (ZeRO-3)
+outs = [torch.full((6,), -1.0, device=device), torch.full((3,), -1.0, device=device)]
+with _coalescing_manager(None, device=torch.device(device), async_ops=True) as cm:
+    for o, t in zip(outs, (x, y)):
+        dist.all_gather_into_tensor(o, t, async_op=True)
+cm.wait()
+assert torch.equal(outs[0], x) and torch.equal(outs[1], y), outs
 try:
     dist.all_reduce(y, op=dist._make_nccl_premul_sum(2.0))
 except ValueError as e:
