@@ -158,7 +158,7 @@ class Learner:
 
         join_process_group(self.rank, self.world, address, self.store)
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
-        outside = [outside_allocator_gib(learner_device())]  # the context and process group, before the model
+        outside_group = outside_allocator_gib(learner_device())  # the CUDA context and process group, before the model
         torch.manual_seed(cfg.seed)
         model = load_policy(cfg)
         shared = 0
@@ -186,10 +186,10 @@ class Learner:
         self.device = self.engine.device  # batches are collated on the host and moved here
         self.ref = load_frozen_reference(cfg).to(self.device) if (cfg.grpo.beta > 0 and cfg.model.lora is None) else None
         self.layout = decide_layout(cfg, model, self.device, held_before, shared)  # once this rank's tensors are placed
-        outside.append(outside_allocator_gib(self.device))
-        if None not in outside:
-            print(f"learner rank {self.rank}: beyond torch's allocator on its GPU {outside[0]:.2f} GiB with the process "
-                  f"group, {outside[1]:.2f} GiB with DeepSpeed's engine", flush=True)
+        outside_engine = outside_allocator_gib(self.device)
+        if outside_group is not None and outside_engine is not None:
+            print(f"learner rank {self.rank}: beyond torch's allocator on its GPU {outside_group:.2f} GiB with the "
+                  f"process group, {outside_engine:.2f} GiB with DeepSpeed's engine", flush=True)
         return self.rank
 
     # ----------------------------------------------------------------------------- helpers

@@ -22,29 +22,27 @@ def open_store(world: int):
 
 
 def join_process_group(rank: int, world: int, address: tuple[str, int] | None, store=None) -> None:
-    """This rank in the default process group: rank 0 through `store` (open_store's, or one of its own when the
-    group is this rank alone), another rank through rank 0's `address` (host, port). A process whose default group
-    already exists (the colocated worker: vLLM's group of one) keeps it."""
+    """This rank in the default process group: rank 0 through `store` (open_store's), another rank through rank 0's
+    `address` (host, port); a rank alone through a group of one that needs no rendezvous. A process whose default
+    group already exists (the colocated worker: vLLM's group of one) keeps it."""
     import torch.distributed as dist
     from torch.distributed.constants import default_pg_timeout
 
     if dist.is_initialized():
         return
+    if world == 1:  # nothing to communicate: each collective done in place (learner/one_rank_group.py)
+        dist.init_process_group(ONE_RANK, store=store or dist.HashStore(), rank=0, world_size=1,
+                                timeout=default_pg_timeout)
+        return
     if rank == 0 and store is None:
-        if world != 1:
-            raise ValueError(f"learner rank 0 of {world}: no store; Learner.rendezvous() opens it before setup()")
-        store = open_store(1)
+        raise ValueError(f"learner rank 0 of {world}: no store; Learner.rendezvous() opens it before setup()")
     if rank != 0:
         if address is None:
             raise ValueError(f"learner rank {rank} of {world}: setup() needs rank 0's rendezvous address (host, port)")
         host, port = address
         store = dist.TCPStore(host, int(port), world, is_master=False, timeout=default_pg_timeout)
-    if world == 1:  # nothing to communicate: each collective done in place (learner/one_rank_group.py)
-        dist.init_process_group(ONE_RANK, store=store, rank=0, world_size=1, timeout=default_pg_timeout)
-        return
-    cuda = torch.cuda.is_available()
     kwargs = {}
-    if cuda and world > 1:  # binds the rank's GPU to its communicator, as DeepSpeed's own init does
+    if torch.cuda.is_available():  # binds the rank's GPU to its communicator, as DeepSpeed's own init does
         kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world,
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store, rank=rank, world_size=world,
                             timeout=default_pg_timeout, **kwargs)
