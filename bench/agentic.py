@@ -210,11 +210,12 @@ def main():
     paths = prepare(Path(a.dir), wl)
     if a.cmd == "prepare":
         return
+    machine = e2e.host_state()
     res = run(a.candidate, paths, wl, a)
-    res.update(candidate=a.candidate, workload=a.workload, versions=e2e.versions(), wl=wl)
+    res.update(candidate=a.candidate, workload=a.workload, versions=e2e.versions(), wl=wl, host=machine)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(res, indent=1))
-    print(json.dumps({k: res.get(k) for k in KEYS + ("reward_first", "reward_last", "launch_to_first_step_s")}),
+    print(json.dumps({k: res.get(k) for k in KEYS + ("reward_first", "reward_last", "launch_to_first_step_s", "host")}),
           flush=True)
 
 

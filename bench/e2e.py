@@ -346,6 +346,36 @@ def role_of(cmdline: str) -> str:
     return f"{Path(first).name} {script}" if script else Path(first).name
 
 
+def host_state(sample_s: float = 1.0, busy_pct: float = 10.0) -> dict:
+    """The machine a candidate starts on: its CPU, its load, and every process outside this one's tree that kept a
+    core at least `busy_pct` percent busy over `sample_s` seconds, by role. A peer whose trainer is bound by the host's
+    work around its kernels runs at the machine's pace: TRL's step at the 1.5B long tail moved from 9.9 to 6.1 s
+    between two H100 leases while Tandem's stayed (bench/results/e2e_gpu_scale.md), so each run says what it ran on."""
+    import psutil
+
+    me = psutil.Process()
+    mine = {me.pid} | {c.pid for c in me.children(recursive=True)}
+    others = [p for p in psutil.process_iter() if p.pid not in mine]
+    for p in others:
+        try:
+            p.cpu_percent(None)  # the first call starts the process's count
+        except psutil.Error:
+            pass
+    time.sleep(sample_s)
+    busy = {}
+    for p in others:
+        try:
+            pct = p.cpu_percent(None)
+        except psutil.Error:
+            continue
+        if pct >= busy_pct:
+            busy[f"{process_role(p.pid)} [{p.pid}]"] = round(pct)
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), None) if Path("/proc/cpuinfo").is_file() else None
+    return {"cpu_model": model, "cpus": os.cpu_count(), "load_1m": round(os.getloadavg()[0], 2),
+            "busy_processes": busy}
+
+
 def tree_pss_gb() -> float:
     import psutil
 
@@ -1060,6 +1090,7 @@ def main():
     wl = workload(WORKLOADS, a.workload, a.set)
     a.dir = str(Path(a.dir) / workload_dir(a.workload, wl))
     paths = prepare(Path(a.dir), wl)
+    machine = host_state()
     if a.candidate in TANDEM:
         k, mode, vllm = TANDEM[a.candidate]
         res = run_tandem(paths, wl, k, a, mode, vllm)
@@ -1071,13 +1102,13 @@ def main():
         res = run_vllm(paths, wl, a, lora=a.candidate == "vllm_ceiling") if a.candidate.startswith("vllm_") \
             else run_trl(paths, wl, a)
     # under CUDA MPS (bench/device/with_mps.sh), the processes' kernels run side by side
-    res.update(candidate=a.candidate, workload=a.workload, versions=versions(), wl=wl,
+    res.update(candidate=a.candidate, workload=a.workload, versions=versions(), wl=wl, host=machine,
                cuda_mps="CUDA_MPS_PIPE_DIRECTORY" in os.environ)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(res, indent=1))
     print(json.dumps({k: res.get(k) for k in KEYS + ("launch_to_first_step_s", "start_s", "pss_gb", "rollout_busy_frac",
                                                        "learner_mfu", "reward_first", "reward_last",
-                                                       "peak_gpu_gib_by_process")}), flush=True)
+                                                       "peak_gpu_gib_by_process", "host")}), flush=True)
 
 
 if __name__ == "__main__":

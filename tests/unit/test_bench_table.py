@@ -123,3 +123,23 @@ def test_where_the_gpu_peak_goes_names_each_process_by_its_role(e2e):
         child.kill()
         child.wait()
     assert e2e.process_role(2 ** 22 + 1) == "?"  # above any pid_max: not there
+
+
+def test_host_state_names_a_busy_process_outside_the_run_and_not_one_of_its_own(e2e):
+    spin = "import time\nend = time.time() + 20\nwhile time.time() < end: pass"
+    # outside the run's tree: the shell exits at once, so the spinner's parent becomes init
+    outside = subprocess.run(["sh", "-c", f"{sys.executable} -c '{spin}' > /dev/null 2>&1 & echo $!"],
+                             capture_output=True, text=True, check=True)
+    stranger = int(outside.stdout.strip())
+    own = subprocess.Popen([sys.executable, "-c", spin])  # the run's own child
+    try:
+        time.sleep(0.3)
+        state = e2e.host_state(sample_s=0.5)
+    finally:
+        own.kill()
+        subprocess.run(["kill", str(stranger)], check=False)
+    pids = [int(name.rsplit("[", 1)[1].rstrip("]")) for name in state["busy_processes"]]
+    assert stranger in pids and state["busy_processes"][next(n for n in state["busy_processes"]
+                                                             if n.endswith(f"[{stranger}]"))] >= 50
+    assert own.pid not in pids
+    assert state["cpus"] >= 1 and state["load_1m"] >= 0
