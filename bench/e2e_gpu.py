@@ -7,6 +7,10 @@ the same model (Qwen2.5-0.5B's shape, vocabulary 151,936), data, reward, LoRA r=
       [--rollout-gpus 0.4 --learner-gpus 0.4 --vllm-memory S]   # placement (two GPUs: 1 / 1 / 0.85)
   python3 bench/e2e_gpu.py --table-only --out DIR   # the table of what DIR holds
 
+A candidate named twice runs twice, in the order given, its second run's files named `NAME-2` (`--candidates
+tandem_k1,trl_async,tandem_k1,trl_async`: each side's spread within one warm machine, where a peer's speed moves
+from one machine to the next).
+
 `vllm_merged` (not in the default list): vLLM alone on the base weights without its LoRA layers, as an engine
 serving merged weights runs (TRL's colocated one): beside `vllm_ceiling`, what the LoRA kernels cost.
 """
@@ -18,6 +22,17 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+
+
+def run_names(candidates: str) -> list[tuple[str, str]]:
+    """(candidate, the name its files take) for each in the comma-separated list: NAME, then NAME-2, NAME-3 where the
+    same candidate comes again."""
+    seen: dict[str, int] = {}
+    out = []
+    for c in candidates.split(","):
+        seen[c] = seen.get(c, 0) + 1
+        out.append((c, c if seen[c] == 1 else f"{c}-{seen[c]}"))
+    return out
 
 
 def quiet_machine(timeout: float = 60.0):
@@ -42,9 +57,9 @@ if __name__ == "__main__":
     ap.add_argument("--table-only", action="store_true")
     a, rest = ap.parse_known_args()
     if not a.table_only:
-        for c in a.candidates.split(","):
+        for c, name in run_names(a.candidates):
             quiet_machine()
-            print(f"== {c}", flush=True)
+            print(f"== {name}", flush=True)
             subprocess.run([sys.executable, str(HERE / "e2e.py"), "run", c, "--workload", a.workload,
-                            "--json", f"{a.out}/{c}.json", *rest], check=False)
+                            "--json", f"{a.out}/{name}.json", *rest], check=False)
     subprocess.run([sys.executable, str(HERE / "e2e.py"), "table", a.out], check=True)

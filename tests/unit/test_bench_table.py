@@ -143,3 +143,12 @@ def test_host_state_names_a_busy_process_outside_the_run_and_not_one_of_its_own(
                                                              if n.endswith(f"[{stranger}]"))] >= 50
     assert own.pid not in pids
     assert state["cpus"] >= 1 and state["load_1m"] >= 0
+
+
+def test_a_candidate_named_twice_runs_twice_under_its_own_names():
+    spec = importlib.util.spec_from_file_location("bench_e2e_gpu", ROOT / "bench" / "e2e_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.run_names("tandem_k1,trl_async,tandem_k1,trl_async,tandem_k1") == [
+        ("tandem_k1", "tandem_k1"), ("trl_async", "trl_async"), ("tandem_k1", "tandem_k1-2"),
+        ("trl_async", "trl_async-2"), ("tandem_k1", "tandem_k1-3")]
