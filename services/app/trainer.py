@@ -49,6 +49,18 @@ REFUSED = {
 }
 
 
+# TRL's AsyncGRPOConfig as args: its trainer's loss and defaults are not GRPOConfig's, and a silent mapping would train
+# other numbers than the script's (its trl/experimental/async_grpo/async_grpo_trainer.py compute_loss, and the rollout
+# worker's advantages)
+ASYNC_REFUSAL = (
+    "GRPOTrainer(args=AsyncGRPOConfig(...)): TRL's AsyncGRPOTrainer trains another loss than its GRPOTrainer (the "
+    "ratio to the sampler's log-probs, clipped, with no separate old policy or importance weight; advantages over the "
+    "group's population std; each micro-batch's token mean) under other defaults (max_staleness 4, "
+    "max_completion_length 2048, dtype float32), which Tandem does not reproduce; allowed: a trl.GRPOConfig or "
+    "tandem.GRPOConfig of the same run, with cluster={'max_staleness': N} for TRL's staleness bound (docs/trl.md, "
+    "\"From TRL's AsyncGRPOTrainer\")")
+
+
 class TrainOutput(NamedTuple):
     """What transformers' Trainer.train returns: the last step, the mean training loss, and its metrics (train_runtime,
     train_samples_per_second, train_steps_per_second, total_flos, train_loss, epoch)."""
@@ -98,6 +110,8 @@ class GRPOConfig:
             return args if args.output_dir is not None else cls(default_output_dir, **args.trl, **args.sections)
         if isinstance(args, dict):
             return cls(**{"output_dir": default_output_dir, **args})
+        if dataclasses.is_dataclass(args) and hasattr(args, "max_staleness") and hasattr(args, "weight_sync_steps"):
+            raise JobConfigError(ASYNC_REFUSAL)
         if dataclasses.is_dataclass(args) and hasattr(args, "num_generations"):  # trl.GRPOConfig
             return cls(**changed_fields(args))
         raise JobConfigError(f"GRPOTrainer(args={type(args).__name__}): allowed: tandem.GRPOConfig, trl.GRPOConfig, "

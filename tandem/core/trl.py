@@ -112,8 +112,28 @@ IGNORED: dict[str, tuple[str, ...]] = {
 }
 COSMETIC = {name for names in IGNORED.values() for name in names}
 
+# TRL's AsyncGRPOConfig's own names (not GRPOConfig's): where each lives in Tandem, said beside the refusal of one given
+# to a GRPOConfig (a script half moved from TRL's asynchronous trainer)
+ASYNC_ONLY: dict[str, str] = {
+    "max_staleness": "cluster={'max_staleness': N}, Tandem's default 1, TRL's asynchronous trainer's 4",
+    "max_inflight_tasks": "cluster={'rollout_prompts_in_flight': N}, counted in prompts, not completions",
+    "token_budget": "model={'max_tokens_per_forward': N}, which packs a fixed batch (TRL's budget varies the samples "
+                    "a step)",
+    "weight_sync_steps": "none: Tandem publishes the adapter after every generation cycle",
+    "dtype": "bf16=True / fp16=True, or model={'dtype': ...}",
+    "queue_maxsize": "none: max_staleness bounds what waits",
+    "fork_threshold_tokens": "none: the learner trains the ids the sampler conditioned on, never re-tokenised text "
+                             "(docs/tools.md)",
+    "request_timeout": "none: the engines run in Ray actors Tandem starts", "weight_sync_timeout": "none",
+    "heartbeat_stale_after_s": "none: Ray reports a dead actor",
+}
+
 _ADAMW = {"adamw_torch", "adamw_torch_fused", "adamw_hf"}
 _ADAMW_8BIT = {"adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adamw_bnb_8bit"}
+
+
+def _async_hint(name: str) -> str:
+    return f"{name} is TRL's AsyncGRPOConfig's; in Tandem: {ASYNC_ONLY[name]}" if name in ASYNC_ONLY else ""
 
 
 def trl_to_sections(flat: dict[str, Any], caller: str | None = None) -> dict[str, Any]:
@@ -123,8 +143,11 @@ def trl_to_sections(flat: dict[str, Any], caller: str | None = None) -> dict[str
     flat = _normalised(flat)
     out, unsupported, ignored, unknown = _sections(flat)
     if unknown and caller:
-        raise TypeError(f"{caller} got an unexpected keyword argument {unknown[0]!r}")
-    unsupported += [f"{name}={flat[name]!r} (unknown GRPOConfig name)" for name in unknown]
+        hint = _async_hint(unknown[0])
+        raise TypeError(f"{caller} got an unexpected keyword argument {unknown[0]!r}" + (f" ({hint})" if hint else ""))
+    for name in unknown:
+        hint = _async_hint(name)
+        unsupported.append(f"{name}={flat[name]!r} (unknown GRPOConfig name{'; ' + hint if hint else ''})")
     if not unsupported:
         out.setdefault("eval", {}).update(_eval_section(flat))
     if flat.get("save_strategy") == "no":  # after the loop: save_steps may come later in the dict

@@ -274,6 +274,37 @@ def test_functions_made_in_a_process_load_by_value_where_their_module_cannot_be_
     assert json.loads(out.stdout.strip()) == [2.5, 4.5]
 
 
+def test_trls_async_config_is_refused_by_name_and_its_own_names_say_where_they_live_in_tandem(tmp_path):
+    """TRL's AsyncGRPOConfig as args is refused, naming it and what is allowed: its trainer's loss and defaults are
+    not GRPOConfig's, and the generic TRL path would drop its max_staleness of 4 (a default, so not a changed field)
+    and train other numbers. Each of its own names given to a GRPOConfig, or in a job file's trl: section, is refused
+    with the place Tandem has for it; every field the installed AsyncGRPOConfig adds to GRPOConfig's is one of them."""
+    import dataclasses
+    import warnings
+
+    from tandem.core.trl import ASYNC_ONLY, trl_to_sections
+    from tandem.services.app.trainer import GRPOConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import trl
+        from trl.experimental.async_grpo import AsyncGRPOConfig
+
+        async_args = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
+    with pytest.raises(JobConfigError, match=r"GRPOTrainer\(args=AsyncGRPOConfig\(\.\.\.\)\).*max_staleness 4.*allowed: "
+                       r"a trl\.GRPOConfig or tandem\.GRPOConfig.*cluster=\{'max_staleness': N\}"):
+        GRPOConfig.from_any(async_args, str(tmp_path))
+    with pytest.raises(TypeError, match=r"^GRPOConfig.__init__\(\) got an unexpected keyword argument 'max_staleness' "
+                       r"\(max_staleness is TRL's AsyncGRPOConfig's; in Tandem: cluster=\{'max_staleness': N\}"):
+        GRPOConfig(str(tmp_path), max_staleness=4)
+    with pytest.raises(JobConfigError, match=r"max_inflight_tasks=512 \(unknown GRPOConfig name; max_inflight_tasks is "
+                       r"TRL's AsyncGRPOConfig's; in Tandem: cluster=\{'rollout_prompts_in_flight': N\}"):
+        trl_to_sections({"max_inflight_tasks": 512})
+    grpo = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    own = {f.name for f in dataclasses.fields(AsyncGRPOConfig)} - grpo
+    assert own and own <= set(ASYNC_ONLY), own - set(ASYNC_ONLY)
+
+
 def test_a_name_trls_grpoconfig_lacks_is_pythons_type_error_and_every_name_it_has_is_classed(tmp_path):
     """tandem.GRPOConfig (and a dict given as args) refuses an unknown keyword as TRL's dataclass does: TypeError,
     naming it. Every field of the installed TRL's GRPOConfig is one Tandem maps, checks, ignores or refuses by
