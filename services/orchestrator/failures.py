@@ -1,7 +1,8 @@
 """Prompts that did not become a trainable group, recorded in <output_dir>/failed_prompts.jsonl: a reward
-function that failed twice (the prompt source retries it once), and groups without any reward (every function
-returned None for every completion: TRL warns and trains on zeros; here they are recorded, not trained on).
-Too many failures stop the run, as does a whole cycle of groups without reward."""
+function that failed twice (the prompt source retries it once), a prompt whose worker died twice, one whose group
+was stopped twice past max_staleness in an epoch (not trained that epoch, sampled afresh in the next), and groups
+without any reward (every function returned None for every completion: TRL warns and trains on zeros; here they
+are recorded, not trained on). Too many failures stop the run, as does a whole cycle of groups without reward."""
 
 from __future__ import annotations
 
@@ -60,9 +61,24 @@ class FailureLog:
                        f"{max_staleness + 1} cycles, and is sampled again each time (count/stale_dropped); allowed: "
                        "a larger cluster.max_staleness, or a smaller generation.max_completion_length")
 
+    def too_slow(self, index: int, epoch: int, lag: int, max_staleness: int) -> None:
+        """A prompt whose group was stopped mid-sampling past the bound a second time in its epoch: recorded as not
+        trained this epoch (TRL's AsyncGRPOTrainer drops such samples and logs it at info level). More than a quarter of
+        one epoch's rows (at least 4) stops the run: the bound leaves most of the data untrained."""
+        self._record(index, epoch, "stale", f"its group was stopped mid-sampling a second time, {lag} policy versions "
+                     f"behind (cluster.max_staleness = {max_staleness}): its completions take longer to sample than "
+                     f"{max_staleness + 1} cycles; sampled afresh in epoch {epoch + 1}; allowed: a larger "
+                     "cluster.max_staleness, or a smaller generation.max_completion_length")
+        n = sum(f["reason"] == "stale" and f["epoch"] == epoch for f in self.failed)
+        if n > max(4, self.rows // 4):
+            raise TrainingError(f"{n} prompts of epoch {epoch} were stopped twice mid-sampling past "
+                                f"cluster.max_staleness = {max_staleness} (each in {self.path}): at this bound most "
+                                "of the data is never trained on; allowed: a larger cluster.max_staleness, or a smaller "
+                                "generation.max_completion_length")
+
     def _permanent(self, index: int, epoch: int, reason: str, message: str) -> None:
         self._record(index, epoch, reason, message)
-        if sum(f.get("reason") != "no_reward" for f in self.failed) > max(4, self.rows // 4):
+        if sum(f.get("reason") not in ("no_reward", "stale") for f in self.failed) > max(4, self.rows // 4):
             error = RewardError if reason == "reward_error" else TrainingError
             raise error(f"{len(self.failed)} prompts failed permanently (each in {self.path}); last: {message}")
 

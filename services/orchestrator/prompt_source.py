@@ -1,5 +1,5 @@
 """The order prompts are handed out in: a seeded shuffle per epoch (O(1) per prompt: one permutation
-per epoch, not one per call), re-queued prompts first, reward-failure retries counted here."""
+per epoch, not one per call), re-queued prompts first; reward-failure, worker-death and staleness retries counted here."""
 
 from __future__ import annotations
 
@@ -11,12 +11,17 @@ from tandem.core.protocol import PromptItem
 
 MAX_REWARD_RETRIES = 1  # a prompt whose reward function failed is retried once, then recorded as failed
 MAX_WORKER_DEATHS = 1  # a prompt held by a worker that died is handed out again once; a second death fails it
+# A prompt stopped mid-sampling because its group fell past max_staleness is handed out again once in its epoch; the
+# second stop records it as not trained that epoch. Re-queued first every time, such prompts (the long tail of
+# lengths at a small bound) came to fill the engine, each stopped again: on the 1.5B long tail at max_staleness 1
+# the step grew from 5 to 22 s within six steps (bench/results/e2e_gpu_scale.md, the H200 runs of 2026-12-06).
+MAX_STALE_STOPS = 1
 
 
 class PromptSource:
     """table: the PromptTable whose rows it hands out (`next_item`); without one, `next` gives (index, epoch)."""
 
-    TRANSIENT = ("retries", "deaths", "_order")  # retry counts start again on resume; the order is recomputed
+    TRANSIENT = ("retries", "deaths", "stale_stops", "_order")  # counts start again on resume; the order is recomputed
 
     def __init__(self, n: int, seed: int, shuffle: bool = True, table: PromptTable | None = None):
         self.n, self.seed, self.shuffle, self.table = n, seed, shuffle, table
@@ -24,6 +29,7 @@ class PromptSource:
         self.requeued: deque = deque()  # (dataset index, epoch), handed out before new ones
         self.retries: Counter = Counter()
         self.deaths: Counter = Counter()  # (index, epoch) -> workers that died holding it
+        self.stale_stops: Counter = Counter()  # (index, epoch) -> its groups stopped past max_staleness
         self._order: tuple[int, np.ndarray] | None = None
 
     def next_item(self) -> PromptItem:
@@ -62,6 +68,15 @@ class PromptSource:
         self.deaths[(index, epoch)] += 1
         if self.deaths[(index, epoch)] <= MAX_WORKER_DEATHS:
             self.requeue(index, epoch, front=True)
+            return True
+        return False
+
+    def stopped_stale(self, index: int, epoch: int) -> bool:
+        """After its group was stopped mid-sampling past max_staleness: handed out again (True) or out of chances
+        (False: record it as not trained this epoch; its completions take longer to sample than the bound allows)."""
+        self.stale_stops[(index, epoch)] += 1
+        if self.stale_stops[(index, epoch)] <= MAX_STALE_STOPS:
+            self.requeue(index, epoch)
             return True
         return False
 

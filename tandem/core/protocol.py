@@ -81,7 +81,7 @@ class RolloutFailure:
     retryable: bool = True
     no_reward: bool = False  # every reward function returned None for every completion: nothing to train on
     fatal: bool = False  # a reward function's answer of the wrong shape or type: the job stops (RewardContractError)
-    stale_version: int | None = None  # stopped mid-sampling, its version past max_staleness: sampled again
+    stale_version: int | None = None  # stopped mid-sampling, its version past max_staleness: sampled again once
 
 
 def pack_completions(completions: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

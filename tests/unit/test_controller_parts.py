@@ -348,17 +348,14 @@ def test_a_row_dropped_stale_twice_is_said_once_and_not_recorded_as_failed(tmp_p
     assert not (tmp_path / "f.jsonl").exists() and log.state() == {"failed": []}
 
 
-def test_a_group_stopped_mid_sampling_and_one_dropped_stale_are_both_sampled_again(job_files, tmp_path):
-    """The controller's two stale paths (a worker's RolloutFailure with stale_version, a buffered group past the bound)
-    hand the prompt out again, count it, and say a row's second time; no failure recorded."""
-    import numpy as np
-
+def test_a_group_stopped_mid_sampling_is_sampled_again_once_and_one_dropped_stale_each_time(job_files, tmp_path):
+    """The controller's two stale paths: a buffered group past the bound (sampled in time, not taken in time) hands its
+    prompt out again each time; a group stopped mid-sampling (a worker's RolloutFailure with stale_version) once, and the
+    second stop in its epoch records the prompt as not trained (reason stale), says why, and hands nothing out."""
     from tandem.core.config import JobConfig
     from tandem.core.protocol import PromptItem, RolloutFailure, group_meta
     from tandem.services.orchestrator.controller import Controller
     from tandem.services.orchestrator.failures import FailureLog
-    from tandem.services.orchestrator.group_buffer import GroupBuffer
-    from tandem.services.orchestrator.prompt_source import PromptSource
 
     ctl = Controller(JobConfig.from_dict({**job_files, "cluster": {"max_staleness": 1}}))
     said = []
@@ -366,11 +363,68 @@ def test_a_group_stopped_mid_sampling_and_one_dropped_stale_are_both_sampled_aga
     ctl.failures = FailureLog(tmp_path / "f.jsonl", ["r.py:f"], unique_prompts=2, rows=10, say=said.append)
     ctl.progress.version = 3
     item = PromptItem(group_id=9, index=4, prompt_ids=np.array([1, 2], np.int32), prompt="p")
-    ctl._accept(item, group_meta(RolloutFailure(9, 4, "stopped", stale_version=1)), None)
-    ctl.buffer.admit({"index": 4, "epoch": 0, "version": 1}, object())  # sampled again, and again too slow
+    stopped = group_meta(RolloutFailure(9, 4, "stopped", stale_version=1))
+    ctl._accept(item, stopped, None)
+    ctl.buffer.admit({"index": 4, "epoch": 0, "version": 1}, object())  # sampled again, done, not taken in time
     ctl.buffer.admit({"index": 5, "epoch": 0, "version": 2}, object())  # within the bound
     ctl._requeue_stale()
-    assert list(ctl.source.requeued) == [(4, 0), (4, 0)] and ctl.buffer.pending() == [(5, 0)]
-    assert ctl.counters == {"stale_stopped": 1, "stale_dropped": 1}
+    assert said == [] and ctl.buffer.pending() == [(5, 0)]
+    ctl.buffer.admit({"index": 4, "epoch": 0, "version": 1}, object())  # dropped a second time: said, sampled again
+    ctl._requeue_stale()
+    assert list(ctl.source.requeued) == [(4, 0), (4, 0), (4, 0)] and ctl.buffer.pending() == [(5, 0)]
     assert len(said) == 1 and said[0].startswith("tandem: dataset row 4 (epoch 0) came back 2 policy versions behind")
-    assert ctl.failures.failed == [] and ctl.source.retries == {}
+    assert ctl.failures.failed == []
+    ctl._accept(item, stopped, None)  # stopped a second time in epoch 0: recorded, not handed out again
+    assert list(ctl.source.requeued) == [(4, 0), (4, 0), (4, 0)]
+    assert ctl.counters == {"stale_stopped": 2, "stale_dropped": 2, "stale_failed": 1}
+    assert [(f["index"], f["epoch"], f["reason"]) for f in ctl.failures.failed] == [(4, 0, "stale")]
+    assert "stopped mid-sampling a second time, 2 policy versions behind (cluster.max_staleness = 1)" in said[-1]
+    ctl._accept(PromptItem(10, 4, np.array([1], np.int32), "p", epoch=1), stopped, None)  # the next epoch: afresh
+    assert list(ctl.source.requeued)[-1] == (4, 1) and len(ctl.failures.failed) == 1
+
+
+def test_prompts_stopped_past_the_bound_do_not_come_to_fill_the_engine(job_files, tmp_path):
+    """A model of the long tail at max_staleness 1: each cycle the engine holds 32 prompts, those of the long rows (every
+    8th) are always stopped past the bound, the others are trained. Each long row is handed out at most twice in its
+    epoch, and the engine's share of long rows stays near their share of the data; handed out again every time (first
+    in the queue) they came to fill the engine within a few cycles."""
+    from tandem.core.config import JobConfig
+    from tandem.core.protocol import PromptItem, RolloutFailure, group_meta
+    from tandem.services.orchestrator.controller import Controller
+    from tandem.services.orchestrator.failures import FailureLog
+
+    ctl = Controller(JobConfig.from_dict({**job_files, "cluster": {"max_staleness": 1}}))
+    ctl.source = PromptSource(800, seed=2)
+    ctl.failures = FailureLog(tmp_path / "f.jsonl", ["r.py:f"], unique_prompts=16, rows=800)
+    ctl.progress.version = 5
+    handed, shares = Counter(), []
+    for cycle in range(20):
+        engine = [ctl.source.next() for _ in range(32)]
+        handed.update(engine)
+        long_rows = [(i, e) for i, e in engine if i % 8 == 0]
+        shares.append(len(long_rows) / len(engine))
+        for i, e in long_rows:
+            ctl._accept(PromptItem(cycle, i, np.array([1], np.int32), "p", epoch=e),
+                        group_meta(RolloutFailure(cycle, i, "stopped", stale_version=3)), None)
+    assert max(handed[p] for p in handed if p[0] % 8 == 0) == 2 and np.mean(shares[10:]) < 0.3, shares
+    twice = sorted(p for p in handed if handed[p] == 2)
+    assert sorted((f["index"], f["epoch"]) for f in ctl.failures.failed) == twice and len(twice) > 20
+    assert ctl.counters["stale_failed"] == len(twice)
+
+
+def test_stale_failures_stop_the_run_past_a_quarter_of_one_epoch_and_do_not_count_toward_other_failures(tmp_path):
+    """A quarter of one epoch's rows stopped twice is allowed (the long tail at a small bound), more stops the run
+    naming the bound; epochs count apart, and stale records do not bring a reward failure's threshold closer."""
+    from tandem.core.errors import TrainingError
+    from tandem.services.orchestrator.failures import FailureLog
+
+    log = FailureLog(tmp_path / "f.jsonl", ["r.py:f"], unique_prompts=2, rows=16)
+    for epoch in range(3):
+        for i in range(4):
+            log.too_slow(i, epoch, lag=2, max_staleness=1)
+    for i in range(4):
+        log.reward_error(10 + i, 0, "boom")  # 4 of 16 rows: not yet past the threshold of reward errors
+    with pytest.raises(TrainingError, match=r"5 prompts of epoch 2 were stopped twice mid-sampling past "
+                                            r"cluster.max_staleness = 1 .*allowed: a larger cluster.max_staleness"):
+        log.too_slow(9, 2, lag=2, max_staleness=1)
+    assert [json.loads(x)["reason"] for x in (tmp_path / "f.jsonl").read_text().splitlines()].count("stale") == 13
