@@ -58,15 +58,17 @@ def min_fast_tokens(mc: dict) -> int:
     return min(MIN_FAST_TOKENS, MIN_FAST_TOKENS * MIN_FAST_WIDTH // mc["hidden_size"])
 
 
-# auto's activations take this share of the device, whatever is free, for a peak at or below TRL's beside the same
-# workload (the 1.5B long-tail benchmark): measured at 0.25, Tandem 59.4 GiB against TRL's 55.4 at 1.5B (14k-token forwards); at
-# 0.2 54.7 GiB beside the max_staleness 1 engine (bench/results/e2e_gpu_scale.md, the 2026-12-03 run (c488e7f)).
-ACTIVATION_SHARE = 0.2
-# ... or more, where the engine beside them is small: the two together up to this share. The engine's KV cache grows
-# with max_staleness (tandem/core/engine_memory.py); at 1.5B the k=0 engine holds ~7 GiB less than the k=1 one, and
-# its learner takes them (~14k-token forwards instead of ~11k, learner/mfu 0.471 against 0.411 in the runs of 2026-12-03 (10868ea, c488e7f)),
-# for a peak under the k=1 one. A learner on a GPU of its own (no engine) takes this share.
-SHARED_GPU_SHARE = 0.34
+# auto's activations take at least this share of the device, whatever is free, and where the engine beside them is
+# small the two together take SHARED_GPU_SHARE: a peak at or below TRL's beside the same workload. The lower peer is
+# TRL's AsyncGRPOTrainer (its server at 0.3 of the device, its trainer beside it): on one H200 at the 1.5B long tail it
+# peaked at 48.5-48.8 GiB, Tandem at 0.2 and 0.34 at 50.7 (k=1: the learner 28.5 GiB, 11,319-token forwards without
+# checkpointing, beside a 22.3 GiB engine; bench/results/e2e_gpu_scale.md, the 2026-12-06 run (b055745)). At 0.16 and
+# 0.32 the k=1 learner's forwards hold ~9.2k tokens (~5 GiB less, still without checkpointing: computed from the same
+# arithmetic, not yet measured), k=0's ~12k (~13k before; learner/mfu 0.471 at ~14k against 0.411 at ~11k in the runs of
+# 2026-12-03 (10868ea, c488e7f)). On an H100 the 1.5B forwards are checkpointed either way (16,384 tokens). A
+# learner on a GPU of its own (no engine) takes SHARED_GPU_SHARE.
+ACTIVATION_SHARE = 0.16
+SHARED_GPU_SHARE = 0.32
 
 
 def forward_layout(cfg, mc: dict | None, packed: bool, device: tuple[int, int] | None) -> tuple[int | None, bool]:
