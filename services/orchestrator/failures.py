@@ -69,7 +69,7 @@ class FailureLog:
                      f"behind (cluster.max_staleness = {max_staleness}): its completions take longer to sample than "
                      f"{max_staleness + 1} cycles; sampled afresh in epoch {epoch + 1}; allowed: a larger "
                      "cluster.max_staleness, or a smaller generation.max_completion_length")
-        n = sum(f["reason"] == "stale" and f["epoch"] == epoch for f in self.failed)
+        n = len({f["index"] for f in self.failed if f["reason"] == "stale" and f["epoch"] == epoch})  # a resume counts anew
         if n > max(4, self.rows // 4):
             raise TrainingError(f"{n} prompts of epoch {epoch} were stopped twice mid-sampling past "
                                 f"cluster.max_staleness = {max_staleness} (each in {self.path}): at this bound most "

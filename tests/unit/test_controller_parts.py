@@ -422,9 +422,10 @@ def test_stale_failures_stop_the_run_past_a_quarter_of_one_epoch_and_do_not_coun
     for epoch in range(3):
         for i in range(4):
             log.too_slow(i, epoch, lag=2, max_staleness=1)
+    log.too_slow(3, 2, lag=2, max_staleness=1)  # a row recorded again (its count starts anew on resume): still 4 rows
     for i in range(4):
         log.reward_error(10 + i, 0, "boom")  # 4 of 16 rows: not yet past the threshold of reward errors
     with pytest.raises(TrainingError, match=r"5 prompts of epoch 2 were stopped twice mid-sampling past "
                                             r"cluster.max_staleness = 1 .*allowed: a larger cluster.max_staleness"):
         log.too_slow(9, 2, lag=2, max_staleness=1)
-    assert [json.loads(x)["reason"] for x in (tmp_path / "f.jsonl").read_text().splitlines()].count("stale") == 13
+    assert [json.loads(x)["reason"] for x in (tmp_path / "f.jsonl").read_text().splitlines()].count("stale") == 14
