@@ -71,6 +71,17 @@ def test_group_buffer_drops_only_groups_staler_than_k():
     assert GroupBuffer(0).drop_stale(0) == []
 
 
+def test_a_batch_takes_the_oldest_versions_first_so_none_that_could_be_trained_goes_stale():
+    """At max_staleness 1 a long group of version 1 comes back after three of version 2: the batch trained at version 2
+    takes it (and the first of version 2), and the next batch, at version 3, drops nothing; in arrival order it was
+    left behind and dropped."""
+    buf = GroupBuffer(max_staleness=1)
+    for i, v in enumerate((2, 2, 1, 2)):
+        buf.admit({"version": v, "index": i, "epoch": 0, "group_id": i}, f"ref{i}")
+    assert [r for _, r in buf.take(2)] == ["ref0", "ref2"]
+    assert buf.drop_stale(version=3) == [] and buf.pending() == [(1, 0), (3, 0)]
+
+
 def test_a_batch_is_taken_in_hand_out_order_whatever_order_its_groups_came_back_in():
     buf = GroupBuffer(max_staleness=0)
     for gid in (7, 5, 6, 9):
