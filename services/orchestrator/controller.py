@@ -16,8 +16,7 @@ other (prime-rl's orchestrator; torchforge's two loops around a buffer):
 Each part that holds run state saves and loads its own share (state / load); the controller's checkpoint
 state is the dict of those. The controller moves object refs, never payloads: a group goes from its worker's
 object store to the learner's. Every prompt handed out is trained on once, handed out again (worker died, group
-too stale, reward function failed once), or recorded in failed_prompts.jsonl (the second time of each, a group too
-stale only if stopped mid-sampling): never lost, never trained on twice.
+too stale, reward function failed once), or recorded in failed_prompts.jsonl (the second time of each): never lost, never trained on twice.
 """
 
 from __future__ import annotations
@@ -465,12 +464,9 @@ class Controller:
         if meta.get("stale_version") is not None:  # stopped mid-sampling
             if self.progress.all_taken:  # by the run's end: left for a resume (the checkpoint's source state)
                 self.source.requeue(it.index, it.epoch)
-            else:  # it could no longer be trained: sampled again once, then recorded (the source counts)
+            else:  # it could no longer be trained
                 self.counters["stale_stopped"] += 1
-                if not self.source.stopped_stale(it.index, it.epoch):
-                    self.counters["stale_failed"] += 1
-                    self.failures.too_slow(it.index, it.epoch, self.version - meta["stale_version"],
-                                           self.cfg.cluster.max_staleness)
+                self._stale(it.index, it.epoch, meta["stale_version"])
         elif not meta.get("failure"):
             self.failures.rewarded()
             times = {"handed_out_at": it.queued_at, "returned_at": time.time()}  # run_log.sampling_times
@@ -495,11 +491,16 @@ class Controller:
                                           f"row {it.index} (the second time with no other prompt)")
 
     def _requeue_stale(self) -> None:
-        """Buffered groups past the staleness bound (sampled in time, not taken in time): their prompts sampled again."""
         for m in self.buffer.drop_stale(self.version):
             self.counters["stale_dropped"] += 1
-            self.failures.stale(m["index"], m["epoch"], self.version - m["version"], self.cfg.cluster.max_staleness)
-            self.source.requeue(m["index"], m["epoch"])
+            self._stale(m["index"], m["epoch"], m["version"])
+
+    def _stale(self, index: int, epoch: int, version: int) -> None:
+        """A group past the staleness bound (stopped mid-sampling, or dropped from the buffer when it came back too
+        late): its prompt sampled again once in its epoch, the second time recorded as not trained (the source counts)."""
+        if not self.source.went_stale(index, epoch):
+            self.counters["stale_failed"] += 1
+            self.failures.too_slow(index, epoch, self.version - version, self.cfg.cluster.max_staleness)
 
     # Publishing waits for no generation: each worker loads the adapter between two engine steps while its requests
     # run on, so every worker serves the new version before the next cycle begins (with max_staleness 0, before any

@@ -1,6 +1,6 @@
 """Prompts that did not become a trainable group, recorded in <output_dir>/failed_prompts.jsonl: a reward
 function that failed twice (the prompt source retries it once), a prompt whose worker died twice, one whose group
-was stopped twice past max_staleness in an epoch (not trained that epoch, sampled afresh in the next), and groups
+went twice past max_staleness in an epoch (not trained that epoch, sampled afresh in the next), and groups
 without any reward (every function returned None for every completion: TRL warns and trains on zeros; here they
 are recorded, not trained on). Too many failures stop the run, as does a whole cycle of groups without reward."""
 
@@ -16,8 +16,8 @@ from tandem.core.errors import RewardError, TrainingError
 
 
 class FailureLog:
-    # within one process: a run of groups, the terminal's lines, the stale drops of each row
-    TRANSIENT = ("no_reward_run", "say", "_said", "_unsaid", "_stale")
+    # within one process: a run of groups, the terminal's lines
+    TRANSIENT = ("no_reward_run", "say", "_said", "_unsaid")
 
     SAY_EVERY_S, SAY_BURST = 10.0, 3  # at most 3 lines on the terminal per 10 s; the file has every one
 
@@ -27,7 +27,6 @@ class FailureLog:
         self.failed: list[dict] = []  # {index, epoch, reason, message}
         self.no_reward_run = 0  # groups without reward in a row (a rewarded one resets it)
         self.say, self._said, self._unsaid = say, [], 0  # times of the lines said lately; failures not said
-        self._stale: dict[tuple[int, int], int] = {}  # (index, epoch) -> groups of it dropped past max_staleness
 
     def rewarded(self) -> None:
         self.no_reward_run = 0
@@ -49,29 +48,17 @@ class FailureLog:
         """A prompt whose rollout worker died twice while running it (the second time alone): as reward_error."""
         self._permanent(index, epoch, "worker_died", message)
 
-    def stale(self, index: int, epoch: int, lag: int, max_staleness: int) -> None:
-        """A group dropped past the staleness bound, or stopped mid-sampling for it (its prompt is sampled again: not a
-        failure). The second time for one row it is said once: its completions likely take longer to sample than the
-        bound leaves them, and such a row, sampled again and again, may never be trained on (the long tail of lengths
-        at a small bound)."""
-        n = self._stale[(index, epoch)] = self._stale.get((index, epoch), 0) + 1
-        if n == 2:
-            self._tell(f"tandem: dataset row {index} (epoch {epoch}) came back {lag} policy versions behind, a second "
-                       f"time (cluster.max_staleness = {max_staleness}): its group takes longer to sample than "
-                       f"{max_staleness + 1} cycles, and is sampled again each time (count/stale_dropped); allowed: "
-                       "a larger cluster.max_staleness, or a smaller generation.max_completion_length")
-
     def too_slow(self, index: int, epoch: int, lag: int, max_staleness: int) -> None:
-        """A prompt whose group was stopped mid-sampling past the bound a second time in its epoch: recorded as not
-        trained this epoch (TRL's AsyncGRPOTrainer drops such samples and logs it at info level). More than a quarter of
-        one epoch's rows (at least 4) stops the run: the bound leaves most of the data untrained."""
-        self._record(index, epoch, "stale", f"its group was stopped mid-sampling a second time, {lag} policy versions "
-                     f"behind (cluster.max_staleness = {max_staleness}): its completions take longer to sample than "
-                     f"{max_staleness + 1} cycles; sampled afresh in epoch {epoch + 1}; allowed: a larger "
+        """A prompt whose group went past the bound a second time in its epoch (stopped mid-sampling, or back too
+        late): recorded as not trained this epoch (TRL's AsyncGRPOTrainer drops such samples and logs it at info level).
+        More than a quarter of one epoch's rows (at least 4) stops the run: the bound leaves most of the data untrained."""
+        self._record(index, epoch, "stale", f"its group went past the staleness bound a second time, {lag} policy "
+                     f"versions behind (cluster.max_staleness = {max_staleness}): it takes longer to sample and score "
+                     f"than {max_staleness + 1} cycles; sampled afresh in epoch {epoch + 1}; allowed: a larger "
                      "cluster.max_staleness, or a smaller generation.max_completion_length")
         n = len({f["index"] for f in self.failed if f["reason"] == "stale" and f["epoch"] == epoch})  # a resume counts anew
         if n > max(4, self.rows // 4):
-            raise TrainingError(f"{n} prompts of epoch {epoch} were stopped twice mid-sampling past "
+            raise TrainingError(f"{n} prompts of epoch {epoch} went twice past "
                                 f"cluster.max_staleness = {max_staleness} (each in {self.path}): at this bound most "
                                 "of the data is never trained on; allowed: a larger cluster.max_staleness, or a smaller "
                                 "generation.max_completion_length")

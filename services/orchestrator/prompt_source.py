@@ -11,17 +11,18 @@ from tandem.core.protocol import PromptItem
 
 MAX_REWARD_RETRIES = 1  # a prompt whose reward function failed is retried once, then recorded as failed
 MAX_WORKER_DEATHS = 1  # a prompt held by a worker that died is handed out again once; a second death fails it
-# A prompt stopped mid-sampling because its group fell past max_staleness is handed out again once in its epoch; the
-# second stop records it as not trained that epoch. Re-queued first every time, such prompts (the long tail of
-# lengths at a small bound) came to fill the engine, each stopped again: on the 1.5B long tail at max_staleness 1
-# the step grew from 5 to 22 s within six steps (bench/results/e2e_gpu_scale.md, the H200 runs of 2026-12-06).
-MAX_STALE_STOPS = 1
+# A prompt whose group went past max_staleness (stopped mid-sampling, or back too late to be taken) is handed out
+# again once in its epoch; the second time it is recorded as not trained that epoch. Re-queued first every time, such
+# prompts (the long tail of lengths at a small bound) came to fill the engine, each stopped again: on the 1.5B long
+# tail at max_staleness 1 the step grew from 5 to 22 s within six steps (bench/results/e2e_gpu_scale.md, the H200 runs
+# of 2026-12-06).
+MAX_STALE = 1
 
 
 class PromptSource:
     """table: the PromptTable whose rows it hands out (`next_item`); without one, `next` gives (index, epoch)."""
 
-    TRANSIENT = ("retries", "deaths", "stale_stops", "_order")  # counts start again on resume; the order is recomputed
+    TRANSIENT = ("retries", "deaths", "stale", "_order")  # counts start again on resume; the order is recomputed
 
     def __init__(self, n: int, seed: int, shuffle: bool = True, table: PromptTable | None = None):
         self.n, self.seed, self.shuffle, self.table = n, seed, shuffle, table
@@ -29,7 +30,7 @@ class PromptSource:
         self.requeued: deque = deque()  # (dataset index, epoch), handed out before new ones
         self.retries: Counter = Counter()
         self.deaths: Counter = Counter()  # (index, epoch) -> workers that died holding it
-        self.stale_stops: Counter = Counter()  # (index, epoch) -> its groups stopped past max_staleness
+        self.stale: Counter = Counter()  # (index, epoch) -> its groups that went past max_staleness
         self._order: tuple[int, np.ndarray] | None = None
 
     def next_item(self) -> PromptItem:
@@ -71,11 +72,11 @@ class PromptSource:
             return True
         return False
 
-    def stopped_stale(self, index: int, epoch: int) -> bool:
-        """After its group was stopped mid-sampling past max_staleness: handed out again (True) or out of chances
-        (False: record it as not trained this epoch; its completions take longer to sample than the bound allows)."""
-        self.stale_stops[(index, epoch)] += 1
-        if self.stale_stops[(index, epoch)] <= MAX_STALE_STOPS:
+    def went_stale(self, index: int, epoch: int) -> bool:
+        """After its group went past max_staleness (stopped mid-sampling, or back too late): handed out again (True) or
+        out of chances (False: record it as not trained this epoch; its group takes longer than the bound allows)."""
+        self.stale[(index, epoch)] += 1
+        if self.stale[(index, epoch)] <= MAX_STALE:
             self.requeue(index, epoch)
             return True
         return False

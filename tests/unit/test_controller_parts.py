@@ -339,30 +339,11 @@ def test_failed_prompts_are_said_on_the_terminal_a_few_at_a_time(tmp_path, monke
     assert len((tmp_path / "f.jsonl").read_text().splitlines()) == 6
 
 
-def test_a_row_dropped_stale_twice_is_said_once_and_not_recorded_as_failed(tmp_path):
-    """A stale group's prompt is sampled again (not a failure); the second drop of one row says why it may never train
-    (its group takes longer than max_staleness + 1 cycles) and what to change, once."""
-    from tandem.services.orchestrator.failures import FailureLog
-
-    said = []
-    log = FailureLog(tmp_path / "f.jsonl", ["r.py:f"], unique_prompts=4, rows=100, say=said.append)
-    log.stale(7, 0, lag=2, max_staleness=1)
-    log.stale(3, 0, lag=2, max_staleness=1)
-    assert said == []
-    log.stale(7, 0, lag=3, max_staleness=1)
-    log.stale(7, 0, lag=2, max_staleness=1)
-    log.stale(7, 1, lag=2, max_staleness=1)  # the next epoch's row counts afresh
-    assert said == ["tandem: dataset row 7 (epoch 0) came back 3 policy versions behind, a second time "
-                    "(cluster.max_staleness = 1): its group takes longer to sample than 2 cycles, and is sampled again "
-                    "each time (count/stale_dropped); allowed: a larger cluster.max_staleness, or a smaller "
-                    "generation.max_completion_length"]
-    assert not (tmp_path / "f.jsonl").exists() and log.state() == {"failed": []}
-
-
-def test_a_group_stopped_mid_sampling_is_sampled_again_once_and_one_dropped_stale_each_time(job_files, tmp_path):
-    """The controller's two stale paths: a buffered group past the bound (sampled in time, not taken in time) hands its
-    prompt out again each time; a group stopped mid-sampling (a worker's RolloutFailure with stale_version) once, and the
-    second stop in its epoch records the prompt as not trained (reason stale), says why, and hands nothing out."""
+def test_a_group_past_the_bound_is_sampled_again_once_then_recorded_whether_stopped_or_dropped(job_files, tmp_path):
+    """The controller's two stale paths, a worker's RolloutFailure with stale_version (stopped mid-sampling) and a
+    buffered group past the bound (back too late), count as one: the prompt is handed out again once in its epoch; the
+    second time it is recorded as not trained (reason stale), said with what to change, and not handed out again; in
+    the next epoch it starts afresh."""
     from tandem.core.config import JobConfig
     from tandem.core.protocol import PromptItem, RolloutFailure, group_meta
     from tandem.services.orchestrator.controller import Controller
@@ -375,23 +356,24 @@ def test_a_group_stopped_mid_sampling_is_sampled_again_once_and_one_dropped_stal
     ctl.progress.version = 3
     item = PromptItem(group_id=9, index=4, prompt_ids=np.array([1, 2], np.int32), prompt="p")
     stopped = group_meta(RolloutFailure(9, 4, "stopped", stale_version=1))
-    ctl._accept(item, stopped, None)
-    ctl.buffer.admit({"index": 4, "epoch": 0, "version": 1}, object())  # sampled again, done, not taken in time
-    ctl.buffer.admit({"index": 5, "epoch": 0, "version": 2}, object())  # within the bound
+    ctl._accept(item, stopped, None)  # row 4 stopped: handed out again
+    ctl.buffer.admit({"index": 5, "epoch": 0, "version": 1}, object())  # row 5 back too late: handed out again
+    ctl.buffer.admit({"index": 6, "epoch": 0, "version": 2}, object())  # within the bound
     ctl._requeue_stale()
-    assert said == [] and ctl.buffer.pending() == [(5, 0)]
-    ctl.buffer.admit({"index": 4, "epoch": 0, "version": 1}, object())  # dropped a second time: said, sampled again
+    assert list(ctl.source.requeued) == [(4, 0), (5, 0)] and ctl.buffer.pending() == [(6, 0)]
+    assert said == [] and ctl.failures.failed == []
+    ctl.buffer.admit({"index": 4, "epoch": 0, "version": 1}, object())  # row 4 again, back too late: recorded
     ctl._requeue_stale()
-    assert list(ctl.source.requeued) == [(4, 0), (4, 0), (4, 0)] and ctl.buffer.pending() == [(5, 0)]
-    assert len(said) == 1 and said[0].startswith("tandem: dataset row 4 (epoch 0) came back 2 policy versions behind")
-    assert ctl.failures.failed == []
-    ctl._accept(item, stopped, None)  # stopped a second time in epoch 0: recorded, not handed out again
-    assert list(ctl.source.requeued) == [(4, 0), (4, 0), (4, 0)]
-    assert ctl.counters == {"stale_stopped": 2, "stale_dropped": 2, "stale_failed": 1}
-    assert [(f["index"], f["epoch"], f["reason"]) for f in ctl.failures.failed] == [(4, 0, "stale")]
-    assert "stopped mid-sampling a second time, 2 policy versions behind (cluster.max_staleness = 1)" in said[-1]
-    ctl._accept(PromptItem(10, 4, np.array([1], np.int32), "p", epoch=1), stopped, None)  # the next epoch: afresh
-    assert list(ctl.source.requeued)[-1] == (4, 1) and len(ctl.failures.failed) == 1
+    ctl._accept(PromptItem(10, 5, np.array([1], np.int32), "p"), stopped, None)  # row 5 again, stopped: recorded
+    assert list(ctl.source.requeued) == [(4, 0), (5, 0)]
+    assert ctl.counters == {"stale_stopped": 2, "stale_dropped": 2, "stale_failed": 2}
+    assert [(f["index"], f["epoch"], f["reason"]) for f in ctl.failures.failed] == [(4, 0, "stale"), (5, 0, "stale")]
+    assert said[0] == ("tandem: dataset row 4 (epoch 0) not trained on, stale: its group went past the staleness bound "
+                       "a second time, 2 policy versions behind (cluster.max_staleness = 1): it takes longer to sample "
+                       "and score than 2 cycles; sampled afresh in epoch 1; allowed: a larger cluster.max_staleness, or "
+                       "a smaller generation.max_completion_length")
+    ctl._accept(PromptItem(11, 4, np.array([1], np.int32), "p", epoch=1), stopped, None)  # the next epoch: afresh
+    assert list(ctl.source.requeued)[-1] == (4, 1) and len(ctl.failures.failed) == 2
 
 
 def test_prompts_stopped_past_the_bound_do_not_come_to_fill_the_engine(job_files, tmp_path):
@@ -424,7 +406,7 @@ def test_prompts_stopped_past_the_bound_do_not_come_to_fill_the_engine(job_files
 
 
 def test_stale_failures_stop_the_run_past_a_quarter_of_one_epoch_and_do_not_count_toward_other_failures(tmp_path):
-    """A quarter of one epoch's rows stopped twice is allowed (the long tail at a small bound), more stops the run
+    """A quarter of one epoch's rows past the bound twice is allowed (the long tail at a small bound), more stops the run
     naming the bound; epochs count apart, and stale records do not bring a reward failure's threshold closer."""
     from tandem.core.errors import TrainingError
     from tandem.services.orchestrator.failures import FailureLog
@@ -436,7 +418,7 @@ def test_stale_failures_stop_the_run_past_a_quarter_of_one_epoch_and_do_not_coun
     log.too_slow(3, 2, lag=2, max_staleness=1)  # a row recorded again (its count starts anew on resume): still 4 rows
     for i in range(4):
         log.reward_error(10 + i, 0, "boom")  # 4 of 16 rows: not yet past the threshold of reward errors
-    with pytest.raises(TrainingError, match=r"5 prompts of epoch 2 were stopped twice mid-sampling past "
+    with pytest.raises(TrainingError, match=r"5 prompts of epoch 2 went twice past "
                                             r"cluster.max_staleness = 1 .*allowed: a larger cluster.max_staleness"):
         log.too_slow(9, 2, lag=2, max_staleness=1)
     assert [json.loads(x)["reason"] for x in (tmp_path / "f.jsonl").read_text().splitlines()].count("stale") == 14
