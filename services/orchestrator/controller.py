@@ -16,7 +16,8 @@ other (prime-rl's orchestrator; torchforge's two loops around a buffer):
 Each part that holds run state saves and loads its own share (state / load); the controller's checkpoint
 state is the dict of those. The controller moves object refs, never payloads: a group goes from its worker's
 object store to the learner's. Every prompt handed out is trained on once, handed out again (worker died, group
-too stale, reward function failed once), or recorded in failed_prompts.jsonl (the second time of each): never lost, never trained on twice.
+too stale, reward function failed once), or recorded in failed_prompts.jsonl (the second time of each): never lost,
+never trained on twice.
 """
 
 from __future__ import annotations
@@ -497,7 +498,8 @@ class Controller:
 
     def _stale(self, index: int, epoch: int, version: int) -> None:
         """A group past the staleness bound (stopped mid-sampling, or dropped from the buffer when it came back too
-        late): its prompt sampled again once in its epoch, the second time recorded as not trained (the source counts)."""
+        late): its prompt sampled again once in its epoch, the second time recorded as not trained (the source
+        counts)."""
         if not self.source.went_stale(index, epoch):
             self.counters["stale_failed"] += 1
             self.failures.too_slow(index, epoch, self.version - version, self.cfg.cluster.max_staleness)

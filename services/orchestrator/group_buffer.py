@@ -1,5 +1,5 @@
-"""Scored groups waiting for the learner, taken oldest version first, with the policy version that sampled each, and the
-admission rules a group passes to get here (prime-rl's TrainSink).
+"""Scored groups waiting for the learner, taken oldest version first, with the policy version that sampled each, and
+the admission rules a group passes to get here (prime-rl's TrainSink).
 
 Staleness is decided here: a group more than `max_staleness` versions behind is handed back to be sampled
 again, never trained on. With DAPO's dynamic sampling (`grpo.dynamic_sampling`), a group whose completions
@@ -75,11 +75,11 @@ class GroupBuffer:
         return stale
 
     def take(self, n: int) -> list:
-        """The next batch: the n groups sampled with the oldest versions (in arrival order within one), so a group that
-        the next batch could no longer take is never left behind for a fresher one that could wait (taken in arrival
-        order, a long group came back after fresher ones and was dropped stale: up to 11 whole groups in six steps of the
-        1.5B long tail at max_staleness 1, bench/results/e2e_gpu_scale.md, the H200 runs of 2026-12-06). This batch's
-        unused filler counts as used (filtered), and its bound starts again."""
+        """The next batch: the n groups sampled with the oldest versions (in arrival order within one), so a group
+        that the next batch could no longer take is never left behind for a fresher one that could wait (taken in
+        arrival order, a long group came back after fresher ones and was dropped stale: up to 11 whole groups in six
+        steps of the 1.5B long tail at max_staleness 1, bench/results/e2e_gpu_scale.md, the H200 runs of
+        2026-12-06). This batch's unused filler counts as used (filtered), and its bound starts again."""
         oldest = sorted(range(len(self.groups)), key=lambda i: self.groups[i][0].get("version", 0))[:n]
         chosen = set(oldest)
         batch = [g for i, g in enumerate(self.groups) if i in chosen]

@@ -5,11 +5,11 @@ then serve. A group sampled with version s may be trained by a learner at versio
 (services/orchestrator/group_buffer.py drops the others and samples their prompts again).
 
 A prompt handed out now is sampled with the version served now, v, or a newer one. Batches are taken oldest version
-first (GroupBuffer.take), so the prompts outstanding (buffered or in flight) fill the next batches in order. While no batch is in
-training, the learner is at v: the next take trains at v, the one after at v + 1, ..., so k + 1 batches may be
-outstanding (the k-th trains at v + k: a lag of k). While a batch is in training (taken, making v + 1), the batches
-after it train at v + 1 ... v + k: k of them. Handing out fewer leaves the engine idle before the bound; more, and
-the groups past the bound are sampled only to be dropped.
+first (GroupBuffer.take), so the prompts outstanding (buffered or in flight) fill the next batches in order. While no
+batch is in training, the learner is at v: the next take trains at v, the one after at v + 1, ..., so k + 1 batches
+may be outstanding (the k-th trains at v + k: a lag of k). While a batch is in training (taken, making v + 1), the
+batches after it train at v + 1 ... v + k: k of them. Handing out fewer leaves the engine idle before the bound;
+more, and the groups past the bound are sampled only to be dropped.
 
 At the run's end, at most one batch of prompts past its last (k >= 1). A batch takes the groups that finish first, so
 the longest completions slide to later batches; a last batch whose prompts were only its own would wait for every

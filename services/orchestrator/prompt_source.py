@@ -1,5 +1,6 @@
 """The order prompts are handed out in: a seeded shuffle per epoch (O(1) per prompt: one permutation
-per epoch, not one per call), re-queued prompts first; reward-failure, worker-death and staleness retries counted here."""
+per epoch, not one per call), re-queued prompts first; reward-failure, worker-death and staleness retries counted
+here."""
 
 from __future__ import annotations
 

@@ -368,19 +368,19 @@ def test_a_group_past_the_bound_is_sampled_again_once_then_recorded_whether_stop
     assert list(ctl.source.requeued) == [(4, 0), (5, 0)]
     assert ctl.counters == {"stale_stopped": 2, "stale_dropped": 2, "stale_failed": 2}
     assert [(f["index"], f["epoch"], f["reason"]) for f in ctl.failures.failed] == [(4, 0, "stale"), (5, 0, "stale")]
-    assert said[0] == ("tandem: dataset row 4 (epoch 0) not trained on, stale: its group went past the staleness bound "
-                       "a second time, 2 policy versions behind (cluster.max_staleness = 1): it takes longer to sample "
-                       "and score than 2 cycles; sampled afresh in epoch 1; allowed: a larger cluster.max_staleness, or "
-                       "a smaller generation.max_completion_length")
+    assert said[0] == ("tandem: dataset row 4 (epoch 0) not trained on, stale: its group went past the staleness "
+                       "bound a second time, 2 policy versions behind (cluster.max_staleness = 1): it takes longer to "
+                       "sample and score than 2 cycles; sampled afresh in epoch 1; allowed: a larger "
+                       "cluster.max_staleness, or a smaller generation.max_completion_length")
     ctl._accept(PromptItem(11, 4, np.array([1], np.int32), "p", epoch=1), stopped, None)  # the next epoch: afresh
     assert list(ctl.source.requeued)[-1] == (4, 1) and len(ctl.failures.failed) == 2
 
 
 def test_prompts_stopped_past_the_bound_do_not_come_to_fill_the_engine(job_files, tmp_path):
-    """A model of the long tail at max_staleness 1: each cycle the engine holds 32 prompts, those of the long rows (every
-    8th) are always stopped past the bound, the others are trained. Each long row is handed out at most twice in its
-    epoch, and the engine's share of long rows stays near their share of the data; handed out again every time (first
-    in the queue) they came to fill the engine within a few cycles."""
+    """A model of the long tail at max_staleness 1: each cycle the engine holds 32 prompts, those of the long rows
+    (every 8th) are always stopped past the bound, the others are trained. Each long row is handed out at most twice
+    in its epoch, and the engine's share of long rows stays near their share of the data; handed out again every time
+    (first in the queue) they came to fill the engine within a few cycles."""
     from tandem.core.config import JobConfig
     from tandem.core.protocol import PromptItem, RolloutFailure, group_meta
     from tandem.services.orchestrator.controller import Controller
@@ -406,8 +406,8 @@ def test_prompts_stopped_past_the_bound_do_not_come_to_fill_the_engine(job_files
 
 
 def test_stale_failures_stop_the_run_past_a_quarter_of_one_epoch_and_do_not_count_toward_other_failures(tmp_path):
-    """A quarter of one epoch's rows past the bound twice is allowed (the long tail at a small bound), more stops the run
-    naming the bound; epochs count apart, and stale records do not bring a reward failure's threshold closer."""
+    """A quarter of one epoch's rows past the bound twice is allowed (the long tail at a small bound), more stops the
+    run naming the bound; epochs count apart, and stale records do not bring a reward failure's threshold closer."""
     from tandem.core.errors import TrainingError
     from tandem.services.orchestrator.failures import FailureLog
 
