@@ -498,7 +498,7 @@ def engine_start_s(ray, ctl) -> list:
 CYCLE_KEYS = ("step", "generate_wait_s", "train_s", "publish_s", "cycle_s", "rollout_busy_s", "rollout/batch_sampling_s",
               "rollout/group_sampling_s", "learner/time/forwards_s",
               "prompts_in_flight", "queue_depth", "count/batches_trained_ahead", "count/stale_dropped",
-              "count/stale_stopped")
+              "count/stale_stopped", "count/stale_failed")
 
 
 def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
@@ -557,7 +557,10 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
         "engine_cycle_tokens_per_s": med("rollout/gen_tokens_per_s"),
         "publish_latency_s": med("publish_latency_s"), "generate_wait_s": med("generate_wait_s"),
         "cycle_s_median": med("cycle_s"), "batches_trained_ahead": top("count/batches_trained_ahead"),
-        "stale_dropped": top("count/stale_dropped"),  # groups sampled and dropped past max_staleness
+        # since the run's start: groups dropped past max_staleness when they came back, groups stopped mid-sampling
+        # for it, and prompts recorded as not trained after their second time (docs/grpo.md §6)
+        "stale_dropped": top("count/stale_dropped"), "stale_stopped": top("count/stale_stopped"),
+        "stale_failed": top("count/stale_failed"),
         # at a step's record, the most prompts in the engines and the most out (in them or finished, not yet trained)
         "prompts_in_flight_max": top("prompts_in_flight"), "prompts_out_max": top("queue_depth"),
         "rollout_busy_frac": med("rollout/busy_frac"), "learner_mfu": med("learner/mfu"),
@@ -983,6 +986,15 @@ def sharing_speeds(run: dict, synchronous: dict | None) -> dict:
 ASYNC_PEER = "trl_async"  # the asynchronous baseline: its column leads the table's ratios
 
 
+def stale_counts(run: dict) -> str:
+    """A Tandem run's groups stopped past max_staleness, dropped past it, and prompts recorded for it (None: a counter
+    that never moved, 0); — for a count the run's JSON does not have (a peer's, or one recorded before it was)."""
+    keys = ("stale_stopped", "stale_dropped", "stale_failed")
+    if not any(k in run for k in keys):
+        return "—"
+    return " / ".join(str(int(run[k] or 0)) if k in run else "—" for k in keys)
+
+
 def table(out_dir: Path, names: list[str], ceiling: str | None, peer: str,
           k0: Path | None = None, elsewhere: dict[str, Path] | None = None) -> tuple[str, dict]:
     """k0: the `max_staleness: 0` run the efficiencies are read against, where it is not among these (another
@@ -1003,7 +1015,8 @@ def table(out_dir: Path, names: list[str], ceiling: str | None, peer: str,
     # completions': the candidates may train different mixes of lengths)
     lines = ["| candidate | s/step | gen s/step | train s/step | pipeline efficiency | (by tokens) | engine × alone "
              "| learner × alone | completions/s | × " + ASYNC_PEER + " | × " + peer + " | gen tok/s | tok × " + ASYNC_PEER
-             + " | × ceiling | GPU busy | peak GPU GiB | publish s |" + extra, "|" + " --- |" * (20 if cpu else 17)]
+             + " | × ceiling | GPU busy | peak GPU GiB | publish s | stale stopped / dropped / failed |" + extra,
+             "|" + " --- |" * (21 if cpu else 18)]
     for n, r in c.items():
         x_peer = r["completions_per_s"] / c[peer]["completions_per_s"] if peer in c else None
         x_async = r["completions_per_s"] / c[ASYNC_PEER]["completions_per_s"] if ASYNC_PEER in c else None
@@ -1017,7 +1030,7 @@ def table(out_dir: Path, names: list[str], ceiling: str | None, peer: str,
                f"{fmt(r['completions_per_s'], 1)} | {fmt(x_async)} | {fmt(x_peer)} | "
                f"{fmt(r.get('gen_tokens_per_s'), 0)} | {fmt(tok_async)} | {fmt(x_ceil)} | "
                f"{fmt(r.get('gpu_busy_frac'))} | "
-               f"{fmt(r.get('peak_gpu_gib'), 1)} | {fmt(r.get('publish_latency_s'), 3)} |")
+               f"{fmt(r.get('peak_gpu_gib'), 1)} | {fmt(r.get('publish_latency_s'), 3)} | {stale_counts(r)} |")
         if cpu:
             row += (f" {fmt(r.get('launch_to_first_step_s'), 1)} | {fmt(r.get('pss_gb'))} |"
                     f" {fmt(r.get('cores_busy'))} |")

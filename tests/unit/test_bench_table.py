@@ -30,7 +30,8 @@ def e2e():
 K0 = {"s_per_step": 10.0, "generate_wait_s": 8.0, "train_s_per_step": 2.0, "gen_tokens_per_s": 5000.0,
       "completions_per_s": 12.8}
 # An asynchronous one that steps in 6 s but trains shorter completions: 6,000 tokens a second.
-K1 = {"s_per_step": 6.0, "gen_tokens_per_s": 6000.0, "completions_per_s": 21.3}
+K1 = {"s_per_step": 6.0, "gen_tokens_per_s": 6000.0, "completions_per_s": 21.3, "stale_stopped": 12,
+      "stale_dropped": None, "stale_failed": 3}
 PEER = {"s_per_step": 9.0, "gen_tokens_per_s": 3000.0, "completions_per_s": 14.2}
 
 
@@ -67,6 +68,10 @@ def test_the_table_shows_both_ratios_against_the_asynchronous_peer(e2e, tmp_path
     assert row["tok × trl_async"] == f"{6000 / 3000:.2f}"
     assert row["pipeline efficiency"] == f"{6.0 / 8.0:.2f}"
     assert row["(by tokens)"] == f"{6250 / 6000:.2f}"
+    assert row["stale stopped / dropped / failed"] == "12 / 0 / 3"  # a counter that never moved: 0
+    peer = dict(zip(cols, [c.strip() for c in rows[2].strip("|").split("|")]))
+    assert peer["candidate"] == "trl_async" and peer["stale stopped / dropped / failed"] == "—"
+    assert e2e.stale_counts({"stale_dropped": 6}) == "— / 6 / —"  # a JSON recorded before the other two counts
     assert runs["tandem_k1"]["pipeline_efficiency_tokens"] == pytest.approx(6250 / 6000)
 
 
