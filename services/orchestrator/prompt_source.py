@@ -58,27 +58,22 @@ class PromptSource:
 
     def retry(self, index: int, epoch: int) -> bool:
         """After a reward failure: re-queued (True) or out of retries (False: record it as failed)."""
-        self.retries[(index, epoch)] += 1
-        if self.retries[(index, epoch)] <= MAX_REWARD_RETRIES:
-            self.requeue(index, epoch)
-            return True
-        return False
+        return self._again(self.retries, MAX_REWARD_RETRIES, index, epoch)
 
     def died_with_worker(self, index: int, epoch: int) -> bool:
         """After the worker holding it died: handed out again first (True) or out of chances (False: record it as
         failed, it is likely what kills the worker)."""
-        self.deaths[(index, epoch)] += 1
-        if self.deaths[(index, epoch)] <= MAX_WORKER_DEATHS:
-            self.requeue(index, epoch, front=True)
-            return True
-        return False
+        return self._again(self.deaths, MAX_WORKER_DEATHS, index, epoch, front=True)
 
     def went_stale(self, index: int, epoch: int) -> bool:
         """After its group went past max_staleness (stopped mid-sampling, or back too late): handed out again (True) or
         out of chances (False: record it as not trained this epoch; its group takes longer than the bound allows)."""
-        self.stale[(index, epoch)] += 1
-        if self.stale[(index, epoch)] <= MAX_STALE:
-            self.requeue(index, epoch)
+        return self._again(self.stale, MAX_STALE, index, epoch)
+
+    def _again(self, counts: Counter, most: int, index: int, epoch: int, front: bool = False) -> bool:
+        counts[(index, epoch)] += 1
+        if counts[(index, epoch)] <= most:
+            self.requeue(index, epoch, front)
             return True
         return False
 
