@@ -455,7 +455,7 @@ class Controller:
         resolves)."""
         room = self.buffer.room(want, self.pool.in_flight())
         if room > 0:
-            self.buffer.handed_out(self.pool.feed(self.source.next_item, room))
+            self.buffer.handed_out(self.pool.feed(lambda: self.source.next_item(self.version), room))
         results, lost = self.pool.poll(timeout=timeout, wake=wake)
         self._handle_lost(lost)
         for it, meta, ref in results:
@@ -500,7 +500,7 @@ class Controller:
         """A group past the staleness bound (stopped mid-sampling, or dropped from the buffer when it came back too
         late): its prompt sampled again once in its epoch, the second time recorded as not trained (the source
         counts)."""
-        if not self.source.went_stale(index, epoch):
+        if not self.source.went_stale(index, epoch, self.version):
             self.counters["stale_failed"] += 1
             self.failures.too_slow(index, epoch, self.version - version, self.cfg.cluster.max_staleness)
 
@@ -515,7 +515,9 @@ class Controller:
         """The prompts the staleness bound allows for the version just sent go out now (those of the batches after the
         one in training, if any): each worker starts them the moment it serves that version, while this cycle's
         metrics, evaluation, checkpoint and the driver's next call run. With max_staleness 0 that is the next batch,
-        sampled with the new version as before, no longer after the bookkeeping."""
+        sampled with the new version as before, no longer after the bookkeeping. Prompts held past the staleness bound
+        at an older version go out first (PromptSource.next): sampled with this one, they have the most time the bound
+        gives."""
         self._gather(self._wanted(training=self.progress.training is not None), timeout=0.0)
 
     def _await_published(self, sent: tuple, train_ahead: bool = False) -> bool:

@@ -232,7 +232,7 @@ def test_every_part_that_holds_run_state_round_trips_through_its_state(tmp_path)
 
     src = PromptSource(10, seed=1, table=table())
     for _ in range(13):
-        src.next_item()
+        src.next_item(0)
     src.requeue(3, 1)
     assert_round_trips(src, PromptSource(10, seed=1, table=table()))
 
@@ -341,9 +341,9 @@ def test_failed_prompts_are_said_on_the_terminal_a_few_at_a_time(tmp_path, monke
 
 def test_a_group_past_the_bound_is_sampled_again_once_then_recorded_whether_stopped_or_dropped(job_files, tmp_path):
     """The controller's two stale paths, a worker's RolloutFailure with stale_version (stopped mid-sampling) and a
-    buffered group past the bound (back too late), count as one: the prompt is handed out again once in its epoch; the
-    second time it is recorded as not trained (reason stale), said with what to change, and not handed out again; in
-    the next epoch it starts afresh."""
+    buffered group past the bound (back too late), count as one: the prompt is held for the next publish, once in its
+    epoch; the second time it is recorded as not trained (reason stale), said with what to change, and not held
+    again; in the next epoch it starts afresh."""
     from tandem.core.config import JobConfig
     from tandem.core.protocol import PromptItem, RolloutFailure, group_meta
     from tandem.services.orchestrator.controller import Controller
@@ -351,7 +351,7 @@ def test_a_group_past_the_bound_is_sampled_again_once_then_recorded_whether_stop
 
     ctl = Controller(JobConfig.from_dict({**job_files, "cluster": {"max_staleness": 1}}))
     said = []
-    ctl.source, ctl.buffer = PromptSource(10, 0), GroupBuffer(1, 10)
+    ctl.source, ctl.buffer = PromptSource(10, 0, shuffle=False), GroupBuffer(1, 10)
     ctl.failures = FailureLog(tmp_path / "f.jsonl", ["r.py:f"], unique_prompts=2, rows=10, say=said.append)
     ctl.progress.version = 3
     item = PromptItem(group_id=9, index=4, prompt_ids=np.array([1, 2], np.int32), prompt="p")
@@ -360,12 +360,12 @@ def test_a_group_past_the_bound_is_sampled_again_once_then_recorded_whether_stop
     ctl.buffer.admit({"index": 5, "epoch": 0, "version": 1}, object())  # row 5 back too late: handed out again
     ctl.buffer.admit({"index": 6, "epoch": 0, "version": 2}, object())  # within the bound
     ctl._requeue_stale()
-    assert list(ctl.source.requeued) == [(4, 0), (5, 0)] and ctl.buffer.pending() == [(6, 0)]
-    assert said == [] and ctl.failures.failed == []
+    assert list(ctl.source.held) == [(4, 0, 3), (5, 0, 3)] and not ctl.source.requeued  # held at version 3
+    assert ctl.buffer.pending() == [(6, 0)] and said == [] and ctl.failures.failed == []
     ctl.buffer.admit({"index": 4, "epoch": 0, "version": 1}, object())  # row 4 again, back too late: recorded
     ctl._requeue_stale()
     ctl._accept(PromptItem(10, 5, np.array([1], np.int32), "p"), stopped, None)  # row 5 again, stopped: recorded
-    assert list(ctl.source.requeued) == [(4, 0), (5, 0)]
+    assert list(ctl.source.held) == [(4, 0, 3), (5, 0, 3)] and not ctl.source.requeued
     assert ctl.counters == {"stale_stopped": 2, "stale_dropped": 2, "stale_failed": 2}
     assert [(f["index"], f["epoch"], f["reason"]) for f in ctl.failures.failed] == [(4, 0, "stale"), (5, 0, "stale")]
     assert said[0] == ("tandem: dataset row 4 (epoch 0) not trained on, stale: its group went past the staleness "
@@ -373,7 +373,9 @@ def test_a_group_past_the_bound_is_sampled_again_once_then_recorded_whether_stop
                        "sample and score than 2 cycles; sampled afresh in epoch 1; allowed: a larger "
                        "cluster.max_staleness, or a smaller generation.max_completion_length")
     ctl._accept(PromptItem(11, 4, np.array([1], np.int32), "p", epoch=1), stopped, None)  # the next epoch: afresh
-    assert list(ctl.source.requeued)[-1] == (4, 1) and len(ctl.failures.failed) == 2
+    assert list(ctl.source.held)[-1] == (4, 1, 3) and len(ctl.failures.failed) == 2
+    assert ctl.source.next(3) == (0, 0)  # the served version: still held
+    assert [ctl.source.next(4) for _ in range(3)] == [(4, 0), (5, 0), (4, 1)]  # a newer one: first
 
 
 def test_prompts_stopped_past_the_bound_do_not_come_to_fill_the_engine(job_files, tmp_path):
@@ -392,7 +394,8 @@ def test_prompts_stopped_past_the_bound_do_not_come_to_fill_the_engine(job_files
     ctl.progress.version = 5
     handed, shares = Counter(), []
     for cycle in range(20):
-        engine = [ctl.source.next() for _ in range(32)]
+        ctl.progress.version = 5 + cycle  # each cycle publishes one
+        engine = [ctl.source.next(ctl.version) for _ in range(32)]
         handed.update(engine)
         long_rows = [(i, e) for i, e in engine if i % 8 == 0]
         shares.append(len(long_rows) / len(engine))
@@ -403,6 +406,21 @@ def test_prompts_stopped_past_the_bound_do_not_come_to_fill_the_engine(job_files
     twice = sorted(p for p in handed if handed[p] == 2)
     assert sorted((f["index"], f["epoch"]) for f in ctl.failures.failed) == twice and len(twice) > 20
     assert ctl.counters["stale_failed"] == len(twice)
+
+
+def test_a_prompt_past_the_bound_waits_for_the_next_publish_and_then_goes_first():
+    """Held, not handed out while the version it went stale at serves (it would be sampled with the version about to
+    be replaced); kept by a checkpoint first among the re-queued prompts (a resume publishes first); once a newer
+    version serves, before every other prompt."""
+    src = PromptSource(10, seed=0, shuffle=False)
+    assert [src.next(2) for _ in range(3)] == [(0, 0), (1, 0), (2, 0)]
+    src.requeue(7, 0)  # a reward retry
+    assert src.went_stale(1, 0, version=2)
+    assert src.next(2) == (7, 0) and src.next(2) == (3, 0)  # row 1 held: the queue goes on without it
+    assert src.state()["requeued"] == [[1, 0]]
+    src.requeue(8, 0)
+    assert [src.next(3) for _ in range(3)] == [(1, 0), (8, 0), (4, 0)]  # version 3 serves: row 1 first
+    assert not src.went_stale(1, 0, version=3) and not src.held and not src.requeued  # the second time: no chance
 
 
 def test_stale_failures_stop_the_run_past_a_quarter_of_one_epoch_and_do_not_count_toward_other_failures(tmp_path):
