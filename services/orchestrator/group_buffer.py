@@ -80,10 +80,8 @@ class GroupBuffer:
         arrival order, a long group came back after fresher ones and was dropped stale: up to 11 whole groups in six
         steps of the 1.5B long tail at max_staleness 1, bench/results/e2e_gpu_scale.md, the H200 runs of
         2026-12-06). This batch's unused filler counts as used (filtered), and its bound starts again."""
-        oldest = sorted(range(len(self.groups)), key=lambda i: self.groups[i][0].get("version", 0))[:n]
-        chosen = set(oldest)
-        batch = [g for i, g in enumerate(self.groups) if i in chosen]
-        self.groups = [g for i, g in enumerate(self.groups) if i not in chosen]
+        self.groups.sort(key=lambda g: g[0].get("version", 0))  # stable: arrival order within a version
+        batch, self.groups = self.groups[:n], self.groups[n:]
         batch.sort(key=lambda g: g[0].get("group_id", 0))  # hand-out order, not arrival: a seeded job trains the same
         for m, _ in self.filler:
             self._record_filtered(m["epoch"], m["index"], m["version"])
