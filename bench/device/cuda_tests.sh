@@ -13,7 +13,9 @@ CUDA_TESTS="tests/unit/test_fused_layers.py tests/unit/test_padding_free.py test
   tests/unit/test_config.py tests/unit/test_trl_async_attention.py tests/integration/test_engine_memory_gpu.py
   tests/unit/test_bench_prepare.py tests/unit/test_learner_memory.py
   tests/unit/test_one_rank_group.py"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-git describe --always --dirty 2>/dev/null || true  # -dirty: the tree differs from the commit named
-python3 -m pytest -q -p no:cacheprovider -rs $CUDA_TESTS 2>&1 | tee "${OUT:-/tmp}/cuda_tests.txt" | tail -40
+log="${OUT:-/tmp}/cuda_tests.txt"
+# the card and the commit head the log (-dirty: the tree differs from the commit named)
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  git describe --always --dirty 2>/dev/null || true; } | tee "$log"
+python3 -m pytest -q -p no:cacheprovider -rs $CUDA_TESTS 2>&1 | tee -a "$log" | tail -40
 exit "${PIPESTATUS[0]}"
