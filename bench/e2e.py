@@ -499,7 +499,7 @@ def engine_start_s(ray, ctl) -> list:
 CYCLE_KEYS = ("step", "generate_wait_s", "train_s", "publish_s", "cycle_s", "rollout_busy_s", "rollout/batch_sampling_s",
               "rollout/group_sampling_s", "learner/time/forwards_s",
               "prompts_in_flight", "queue_depth", "count/batches_trained_ahead", "count/stale_dropped",
-              "count/stale_stopped", "count/stale_failed")
+              "count/stale_stopped", "count/stale_failed", "rollout/stale_waste_frac")
 
 
 def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
@@ -562,6 +562,8 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
         # for it, and prompts recorded as not trained after their second time (docs/grpo.md §6)
         "stale_dropped": top("count/stale_dropped"), "stale_stopped": top("count/stale_stopped"),
         "stale_failed": top("count/stale_failed"),
+        # the share of the engine's sequence steps that went to groups stopped past the bound (a cycle's, the median)
+        "stale_waste_frac": med("rollout/stale_waste_frac"),
         # at a step's record, the most prompts in the engines and the most out (in them or finished, not yet trained)
         "prompts_in_flight_max": top("prompts_in_flight"), "prompts_out_max": top("queue_depth"),
         "rollout_busy_frac": med("rollout/busy_frac"), "learner_mfu": med("learner/mfu"),
@@ -993,7 +995,9 @@ def stale_counts(run: dict) -> str:
     keys = ("stale_stopped", "stale_dropped", "stale_failed")
     if not any(k in run for k in keys):
         return "—"
-    return " / ".join(str(int(run[k] or 0)) if k in run else "—" for k in keys)
+    counts = " / ".join(str(int(run[k] or 0)) if k in run else "—" for k in keys)
+    waste = run.get("stale_waste_frac")  # the engine's work they took, a cycle's median (recorded since 2026-12-06)
+    return counts if waste is None else f"{counts} ({waste:.0%} of the engine)"
 
 
 def table(out_dir: Path, names: list[str], ceiling: str | None, peer: str,

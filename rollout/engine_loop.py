@@ -79,7 +79,7 @@ class Request:
     """A prompt between its arrival and its completions: the calling thread waits on `done`."""
 
     __slots__ = ("ids", "sampling", "min_version", "pin", "version", "result", "error", "done", "submitted",
-                 "started", "hold", "stoppable", "_callbacks")
+                 "started", "hold", "stoppable", "first_step", "_callbacks")
 
     def __init__(self, ids: np.ndarray, sampling: Sampling, min_version: int = 0, pin: int | None = None,
                  stoppable: bool = False):
@@ -93,6 +93,7 @@ class Request:
         self.submitted = 0.0
         self.started = False  # its version is chosen (set by the loop's thread)
         self.hold = 0  # the holds it took on its version (given back by the loop if it fails)
+        self.first_step = 0  # the loop's engine-step count when it entered the engine (a streaming one)
         self._callbacks: list = []
 
     def fail(self, error: BaseException) -> None:
@@ -171,8 +172,11 @@ class EngineLoop:
         self._in_use: Counter = Counter()  # version -> requests running on it
         self._holds: Counter = Counter()  # version -> episodes between two turns on it
         self._next_key = 0
+        self._steps = 0  # the streaming engine's steps so far
         self._times_lock = threading.Lock()
-        self.times = {"generate_s": 0.0, "busy_s": 0.0}
+        # stale_sequence_steps: the engine steps that requests stopped past max_staleness ran, times their
+        # sequences: at most the tokens sampled for nothing (a sequence that ended early took fewer)
+        self.times = {"generate_s": 0.0, "busy_s": 0.0, "stale_sequence_steps": 0}
 
     def submit(self, command) -> None:
         self._inbox.put(command)
@@ -259,6 +263,9 @@ class EngineLoop:
         req = self._running.pop(key)
         self.engine.abort(key)
         self._in_use[req.version] -= 1
+        if not isinstance(error, RunEnded):  # the run's end stops what no training would take anyway
+            with self._times_lock:
+                self.times["stale_sequence_steps"] += (self._steps - req.first_step) * req.sampling.n
         req.fail(error)
 
     def _drain_inbox(self) -> list:
@@ -300,6 +307,7 @@ class EngineLoop:
             req.fail(e)
             return
         self._in_use[req.version] += 1
+        req.first_step = self._steps
         self._running[self._next_key] = req
         self._next_key += 1
 
@@ -316,6 +324,7 @@ class EngineLoop:
             if batch:
                 self._generate(batch)
             else:
+                self._steps += 1
                 for key, comps in self.engine.step():
                     self._finish(self._running.pop(key), comps)
         except BaseException as e:  # noqa: BLE001 - the engine broke: every waiting call hears it

@@ -309,7 +309,11 @@ def test_publishing_and_a_running_request(ray_session, hf, tiny_model, tmp_path,
     assert ray_session.get(w.set_adapter.remote(3, random_adapter(hf, seed=5))) == 3
     meta = ray_session.get(doomed, timeout=20)
     assert meta["stale_version"] == 2 and "max_staleness 0" in meta["failure"], meta
-    assert ray_session.get(w.stats.remote())["stopped_stale"] == 1
+    stats = ray_session.get(w.stats.remote())
+    assert stats["stopped_stale"] == 1
+    # what the stop wasted, in sequence steps: some, and no more than its sequences' 900 tokens each
+    wasted = stats["stale_sequence_steps"]
+    assert 0 < wasted <= 900 * 8, stats  # the job's num_generations 8
     # the controller's word that no training will take a group of version 3 (it took the last batch that could)
     # stops one at once, with no publish
     doomed, _ = w.rollout.options(num_returns=2).remote(it[0])
@@ -317,7 +321,9 @@ def test_publishing_and_a_running_request(ray_session, hf, tiny_model, tmp_path,
     w.trainable_from.remote(4)
     meta = ray_session.get(doomed, timeout=20)
     assert meta["stale_version"] == 3 and "version 4 or newer" in meta["failure"], meta
-    assert ray_session.get(w.stats.remote())["stopped_stale"] == 2
+    stats = ray_session.get(w.stats.remote())
+    assert stats["stopped_stale"] == 2 and stats["stale_sequence_steps"] > wasted
+    wasted = stats["stale_sequence_steps"]
     assert ray_session.get(w.generate.remote([it[1]], Sampling(n=2, max_tokens=8)))[0].version == 3
     # the run took its last batch (stop_training): the training request running stops, one sent later runs
     assert ray_session.get(w.set_adapter.remote(4, random_adapter(hf, seed=6))) == 4
@@ -326,6 +332,7 @@ def test_publishing_and_a_running_request(ray_session, hf, tiny_model, tmp_path,
     w.stop_training.remote()
     meta = ray_session.get(doomed, timeout=20)
     assert meta["stale_version"] == 4 and "last batch" in meta["failure"], meta
+    assert ray_session.get(w.stats.remote())["stale_sequence_steps"] == wasted  # the run's end wastes nothing stale
     later, _ = w.rollout.options(num_returns=2).remote(it[1])
     assert not ray_session.get(later, timeout=120).get("failure")  # a scored group
     ray_session.get(w.shutdown.remote())

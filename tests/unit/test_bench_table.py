@@ -72,6 +72,7 @@ def test_the_table_shows_both_ratios_against_the_asynchronous_peer(e2e, tmp_path
     peer = dict(zip(cols, [c.strip() for c in rows[2].strip("|").split("|")]))
     assert peer["candidate"] == "trl_async" and peer["stale stopped / dropped / failed"] == "—"
     assert e2e.stale_counts({"stale_dropped": 6}) == "— / 6 / —"  # a JSON recorded before the other two counts
+    assert e2e.stale_counts({**K1, "stale_waste_frac": 0.375}) == "12 / 0 / 3 (38% of the engine)"
     assert runs["tandem_k1"]["pipeline_efficiency_tokens"] == pytest.approx(6250 / 6000)
 
 

@@ -147,6 +147,17 @@ def test_rollout_rates_divide_by_engine_busy_time_not_the_cycle():
     assert idle["rollout/gen_tokens_per_s"] == 0.0 and idle["rollout/busy_frac"] == 0.0
 
 
+def test_the_stale_waste_is_the_stopped_sequence_steps_over_those_and_the_finished_tokens():
+    """Worker 0 finished groups of 3,000 tokens and stopped requests that ran 1,000 sequence steps in the cycle;
+    worker 1 (a snapshot from before the counter existed) 1,000 tokens, none stopped: 1,000 of 5,000 went to waste."""
+    before = {"t": 0.0, "workers": {0: {"tokens": 500, "busy_s": 1.0, "stale_sequence_steps": 200},
+                                    1: {"tokens": 0, "busy_s": 0.0}}}
+    after = {"t": 5.0, "workers": {0: {"tokens": 3500, "busy_s": 5.0, "stale_sequence_steps": 1200},
+                                   1: {"tokens": 1000, "busy_s": 2.0}}}
+    assert rollout_rates(before, after)["rollout/stale_waste_frac"] == pytest.approx(1000 / 5000)
+    assert rollout_rates(after, after)["rollout/stale_waste_frac"] == 0.0  # nothing sampled: none wasted
+
+
 def test_sampling_times_are_a_groups_median_and_the_batch_from_first_hand_out_to_last_return():
     metas = [{"handed_out_at": 100.0, "returned_at": 104.0}, {"handed_out_at": 101.0, "returned_at": 103.0},
              {"handed_out_at": 110.0, "returned_at": 127.0},  # handed out later (a stale group sampled again)

@@ -302,6 +302,41 @@ def test_trainable_from_stops_the_training_requests_of_older_versions_without_a_
     assert [e for e in eng.events if e[0] == "abort"] == [("abort", 0)]
 
 
+def test_the_steps_a_stopped_request_ran_are_counted_times_its_sequences():
+    """What a stop wasted: the engine steps between a training request's entry and its abort (the engine's own
+    record), times its n sequences; the run's end (RunEnded) and an evaluation's request add nothing."""
+    from tandem.rollout.engine_loop import StopTraining, TrainableFrom
+
+    eng = AbortingEngine(steps=10**9)
+    loop = EngineLoop(lora=True, max_staleness=1)
+    t = threading.Thread(target=loop.run, args=(eng,), daemon=True)
+    t.start()
+    four = Sampling(n=4, max_tokens=4)
+    old, last = (Request(np.array([1, 2], np.int32), four, stoppable=True) for _ in range(2))
+    loop.submit(Sample(old))
+    while ("add", 0, None) not in eng.events:
+        pass
+    while sum(e == ("step",) for e in eng.events) < 30:
+        pass
+    load(loop, 1)
+    loop.submit(TrainableFrom(1))
+    finish(old)
+    ran = eng.events[eng.events.index(("add", 0, None)):eng.events.index(("abort", 0))].count(("step",))
+    assert ran >= 30 and loop.timings()["stale_sequence_steps"] == 4 * ran
+    loop.submit(Sample(last))
+    while ("add", 1, 1) not in eng.events:
+        pass
+    steps = len(eng.events)
+    while sum(e == ("step",) for e in eng.events[steps:]) < 10:
+        pass
+    loop.submit(StopTraining())
+    finish(last)
+    assert ("abort", 1) in eng.events
+    loop.stop()
+    t.join(5)
+    assert loop.timings()["stale_sequence_steps"] == 4 * ran
+
+
 def test_stop_training_stops_what_runs_and_waits_now_and_nothing_that_comes_later():
     """The run took its last batch (StopTraining): the training request running stops (RunEnded, a StaleRequest: the
     worker returns it as stopped), so does one waiting for a version not served yet; the evaluation's runs on, and
