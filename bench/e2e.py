@@ -499,7 +499,13 @@ def engine_start_s(ray, ctl) -> list:
 CYCLE_KEYS = ("step", "generate_wait_s", "train_s", "publish_s", "cycle_s", "rollout_busy_s", "rollout/batch_sampling_s",
               "rollout/group_sampling_s", "learner/time/forwards_s",
               "prompts_in_flight", "queue_depth", "count/batches_trained_ahead", "count/stale_dropped",
-              "count/stale_stopped", "count/stale_failed", "rollout/stale_waste_frac")
+              "count/stale_stopped", "count/stale_failed", "rollout/stale_waste_frac", "rollout/engine_steps_per_s",
+              "rollout/sequences_per_step")
+
+
+def rollout_snapshot(ray, ctl) -> dict:
+    """The controller's snapshot of its rollout workers' counters (services/orchestrator/run_log.py rollout_rates)."""
+    return ray.get(ctl.__ray_call__.remote(lambda self: self._rollout_stats()))
 
 
 def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
@@ -507,6 +513,7 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
     after the warm-up steps and up to the run's end (END_STEPS). `start_s` says where the time to the first step
     went: the workload's preparation, the actors' start, the first (warm-up) step, each engine's build."""
     from tandem.services.app.run import start_controller, start_ray
+    from tandem.services.orchestrator.run_log import rollout_rates
 
     t_enter = time.time()
     shutil.rmtree(cfg.logging.output_dir, ignore_errors=True)
@@ -518,7 +525,7 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
     rows, first_step_s, stop, cpu, step_s = [], None, None, None, []
     for i in range(wl["warmup"] + wl["steps"]):
         if i == wl["warmup"]:
-            stop, cpu, t_meas = gpu_sampler(), cpu_busy_sampler(), time.time()
+            stop, cpu, t_meas, engines = gpu_sampler(), cpu_busy_sampler(), time.time(), rollout_snapshot(ray, ctl)
         t_step = time.time()
         r = ray.get(ctl.step.remote())
         if first_step_s is None:
@@ -528,6 +535,8 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
             rows += r["steps"]
             step_s.append(time.time() - t_step)
     wall = time.time() - t_meas
+    # the engines over the measured steps: the share of their work stopped past the bound, their step rate and load
+    engines = rollout_rates(engines, rollout_snapshot(ray, ctl))
     cores = cpu()
     gpu_stats = stop() if stop else {}
     end_step_s = []  # the run's end, past the measured steps (END_STEPS)
@@ -562,8 +571,11 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
         # for it, and prompts recorded as not trained after their second time (docs/grpo.md §6)
         "stale_dropped": top("count/stale_dropped"), "stale_stopped": top("count/stale_stopped"),
         "stale_failed": top("count/stale_failed"),
-        # the share of the engine's sequence steps that went to groups stopped past the bound (a cycle's, the median)
-        "stale_waste_frac": med("rollout/stale_waste_frac"),
+        # over the measured steps: the share of the engines' sequence steps that went to groups stopped past the
+        # bound, their steps a second of busy time, the sequences a step carried (None: an engine without steps)
+        "stale_waste_frac": engines["rollout/stale_waste_frac"],
+        "engine_steps_per_s": engines.get("rollout/engine_steps_per_s"),
+        "sequences_per_step": engines.get("rollout/sequences_per_step"),
         # at a step's record, the most prompts in the engines and the most out (in them or finished, not yet trained)
         "prompts_in_flight_max": top("prompts_in_flight"), "prompts_out_max": top("queue_depth"),
         "rollout_busy_frac": med("rollout/busy_frac"), "learner_mfu": med("learner/mfu"),
@@ -996,7 +1008,7 @@ def stale_counts(run: dict) -> str:
     if not any(k in run for k in keys):
         return "—"
     counts = " / ".join(str(int(run[k] or 0)) if k in run else "—" for k in keys)
-    waste = run.get("stale_waste_frac")  # the engine's work they took, a cycle's median (recorded since 2026-12-06)
+    waste = run.get("stale_waste_frac")  # the engines' work they took over the run (recorded since 2026-12-06)
     return counts if waste is None else f"{counts} ({waste:.0%} of the engine)"
 
 

@@ -186,8 +186,9 @@ class EngineLoop:
         self._inbox.put(STOP)
 
     def timings(self) -> dict:
+        """Seconds (generate_s, busy_s), the streaming engine's steps so far, and stale_sequence_steps."""
         with self._times_lock:
-            return dict(self.times)
+            return dict(self.times, engine_steps=self._steps)
 
     def run(self, engine: Engine) -> None:
         self.engine = engine

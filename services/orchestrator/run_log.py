@@ -26,22 +26,30 @@ def series_name(key: str) -> str:
 def rollout_rates(before: dict, after: dict) -> dict:
     """Per-cycle rollout figures from two snapshots of the workers' stats ({worker: {tokens, busy_s,
     stale_sequence_steps}} and the time `t` each was taken): generated tokens per second of engine busy time (summed
-    over workers), the share of the cycle an engine was busy (mean over workers), the longest busy time, and the
+    over workers), the share of the cycle an engine was busy (mean over workers), the longest busy time, the
     share of the engines' sequence steps that went to requests stopped past max_staleness (their steps over those
-    and the tokens of the groups that finished: an upper bound, a stopped sequence may have ended before)."""
+    and the tokens of the groups that finished: an upper bound, a stopped sequence may have ended before), and for
+    streaming engines their steps a second of busy time and the sequences a step carried (a group's tokens count in
+    the cycle it finishes: over a cycle, an estimate)."""
     wall = max(after["t"] - before["t"], 1e-9)
     rates, fracs, busiest, tokens, stale = {}, {}, 0.0, 0, 0
+    steps, stepping, carried = 0, 0.0, 0  # the streaming engines': steps, their busy time, sequence steps
     for w, s in after["workers"].items():
         b = before["workers"].get(w, {"tokens": 0, "busy_s": 0.0})
         busy = s["busy_s"] - b["busy_s"]
         rates[w] = (s["tokens"] - b["tokens"]) / busy if busy > 0 else 0.0
         fracs[w] = busy / wall
         busiest = max(busiest, busy)
-        tokens += s["tokens"] - b["tokens"]
-        stale += s.get("stale_sequence_steps", 0) - b.get("stale_sequence_steps", 0)
+        wasted = s.get("stale_sequence_steps", 0) - b.get("stale_sequence_steps", 0)
+        tokens, stale = tokens + s["tokens"] - b["tokens"], stale + wasted
+        if n := s.get("engine_steps", 0) - b.get("engine_steps", 0):  # a streaming engine's (vLLM's)
+            steps, stepping, carried = steps + n, stepping + busy, carried + s["tokens"] - b["tokens"] + wasted
     out = {"rollout/gen_tokens_per_s": sum(rates.values()),
            "rollout/busy_frac": sum(fracs.values()) / len(fracs) if fracs else 0.0, "rollout_busy_s": busiest,
            "rollout/stale_waste_frac": stale / (stale + tokens) if stale + tokens > 0 else 0.0}
+    if steps:  # how fast the engines step, and how many sequences a step carries (finished tokens and stopped steps)
+        out.update({"rollout/engine_steps_per_s": steps / stepping if stepping > 0 else 0.0,
+                    "rollout/sequences_per_step": carried / steps})
     out.update({f"rollout/{w}/gen_tokens_per_s": r for w, r in rates.items()})
     out.update({f"rollout/{w}/busy_frac": f for w, f in fracs.items()})
     return out

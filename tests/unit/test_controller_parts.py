@@ -156,6 +156,19 @@ def test_the_stale_waste_is_the_stopped_sequence_steps_over_those_and_the_finish
                                    1: {"tokens": 1000, "busy_s": 2.0}}}
     assert rollout_rates(before, after)["rollout/stale_waste_frac"] == pytest.approx(1000 / 5000)
     assert rollout_rates(after, after)["rollout/stale_waste_frac"] == 0.0  # nothing sampled: none wasted
+    assert "rollout/engine_steps_per_s" not in rollout_rates(before, after)  # no engine that counts its steps
+
+
+def test_the_engines_step_rate_and_load_come_from_their_steps():
+    """Worker 0 (streaming) made 500 steps in 4 s busy, carrying 3,000 finished tokens and 1,000 stopped sequence
+    steps: 125 steps a second, 8 sequences a step; worker 1 (transformers, no steps) adds its tokens only."""
+    before = {"t": 0.0, "workers": {0: {"tokens": 0, "busy_s": 1.0, "stale_sequence_steps": 0, "engine_steps": 100},
+                                    1: {"tokens": 0, "busy_s": 0.0}}}
+    after = {"t": 5.0, "workers": {0: {"tokens": 3000, "busy_s": 5.0, "stale_sequence_steps": 1000,
+                                       "engine_steps": 600}, 1: {"tokens": 1000, "busy_s": 3.0}}}
+    r = rollout_rates(before, after)
+    assert r["rollout/engine_steps_per_s"] == pytest.approx(500 / 4)
+    assert r["rollout/sequences_per_step"] == pytest.approx((3000 + 1000) / 500)
 
 
 def test_sampling_times_are_a_groups_median_and_the_batch_from_first_hand_out_to_last_return():

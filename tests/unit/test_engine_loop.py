@@ -323,6 +323,7 @@ def test_the_steps_a_stopped_request_ran_are_counted_times_its_sequences():
     finish(old)
     ran = eng.events[eng.events.index(("add", 0, None)):eng.events.index(("abort", 0))].count(("step",))
     assert ran >= 30 and loop.timings()["stale_sequence_steps"] == 4 * ran
+    assert loop.timings()["engine_steps"] == eng.events.count(("step",))  # every engine step, counted once
     loop.submit(Sample(last))
     while ("add", 1, 1) not in eng.events:
         pass
