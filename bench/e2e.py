@@ -487,13 +487,6 @@ def actor_nodes(ray, ctl) -> dict:
     return ray.get(ctl.__ray_call__.remote(ask))
 
 
-def engine_start_s(ray, ctl) -> list:
-    """Each rollout worker's engine build, in seconds (its stats)."""
-    def ask(self):
-        import ray
-
-        return [s["engine_start_s"] for s in ray.get([w.stats.remote() for w in self.workers])]
-    return ray.get(ctl.__ray_call__.remote(ask))
 
 
 CYCLE_KEYS = ("step", "generate_wait_s", "train_s", "publish_s", "cycle_s", "rollout_busy_s", "rollout/batch_sampling_s",
@@ -504,8 +497,14 @@ CYCLE_KEYS = ("step", "generate_wait_s", "train_s", "publish_s", "cycle_s", "rol
 
 
 def rollout_snapshot(ray, ctl) -> dict:
-    """The controller's snapshot of its rollout workers' counters (services/orchestrator/run_log.py rollout_rates)."""
+    """The controller's snapshot of its serving rollout workers' stats (services/orchestrator/run_log.py
+    rollout_rates): {"t", "workers": {worker: stats}}."""
     return ray.get(ctl.__ray_call__.remote(lambda self: self._rollout_stats()))
+
+
+def engine_start_s(ray, ctl) -> list:
+    """Each serving rollout worker's engine build, in seconds (its stats)."""
+    return [s["engine_start_s"] for s in rollout_snapshot(ray, ctl)["workers"].values()]
 
 
 def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:

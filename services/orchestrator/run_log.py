@@ -36,14 +36,14 @@ def rollout_rates(before: dict, after: dict) -> dict:
     steps, stepping, carried = 0, 0.0, 0  # the streaming engines': steps, their busy time, sequence steps
     for w, s in after["workers"].items():
         b = before["workers"].get(w, {"tokens": 0, "busy_s": 0.0})
-        busy = s["busy_s"] - b["busy_s"]
-        rates[w] = (s["tokens"] - b["tokens"]) / busy if busy > 0 else 0.0
+        busy, made = s["busy_s"] - b["busy_s"], s["tokens"] - b["tokens"]
+        rates[w] = made / busy if busy > 0 else 0.0
         fracs[w] = busy / wall
         busiest = max(busiest, busy)
         wasted = s.get("stale_sequence_steps", 0) - b.get("stale_sequence_steps", 0)
-        tokens, stale = tokens + s["tokens"] - b["tokens"], stale + wasted
+        tokens, stale = tokens + made, stale + wasted
         if n := s.get("engine_steps", 0) - b.get("engine_steps", 0):  # a streaming engine's (vLLM's)
-            steps, stepping, carried = steps + n, stepping + busy, carried + s["tokens"] - b["tokens"] + wasted
+            steps, stepping, carried = steps + n, stepping + busy, carried + made + wasted
     out = {"rollout/gen_tokens_per_s": sum(rates.values()),
            "rollout/busy_frac": sum(fracs.values()) / len(fracs) if fracs else 0.0, "rollout_busy_s": busiest,
            "rollout/stale_waste_frac": stale / (stale + tokens) if stale + tokens > 0 else 0.0}
