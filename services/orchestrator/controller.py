@@ -51,7 +51,7 @@ from tandem.services.orchestrator.epoch_record import EpochRecord, TrainedRecord
 from tandem.services.orchestrator.evaluator import Evaluator
 from tandem.services.orchestrator.failures import FailureLog
 from tandem.services.orchestrator.group_buffer import GroupBuffer
-from tandem.services.orchestrator.pipeline import prompts_wanted, retry_has_more_time, trained_ahead_allowed
+from tandem.services.orchestrator.pipeline import prompts_wanted, trained_ahead_allowed
 from tandem.services.orchestrator.prompt_source import PromptSource
 from tandem.services.orchestrator.rollout_pool import RolloutPool, lost_object
 from tandem.services.orchestrator.run_log import (  # noqa: F401 - deploy/ reads EXPORTED
@@ -112,7 +112,7 @@ class Progress:
     """Where the run is: generation cycles done and the policy version served (saved), its length (from the
     job and the data), the last publish's latency, and the batch training ahead of the cycle count, if any."""
 
-    TRANSIENT: ClassVar = ("total_cycles", "total_steps", "publish_latency_s", "training", "all_taken", "sent_at")
+    TRANSIENT: ClassVar = ("total_cycles", "total_steps", "publish_latency_s", "training", "all_taken")
     cycle: int = 0
     version: int = 0
     total_cycles: int = 0
@@ -120,18 +120,12 @@ class Progress:
     publish_latency_s: float = 0.0  # from the adapter's send to every worker serving it
     training: Training | None = None  # the next cycle's batch, training ahead of it (never saved: a save drains it)
     all_taken: bool = False  # the run's last batch is taken: what is still sampling is left for a resume
-    sent_at: dict = field(default_factory=dict)  # version -> when its adapter was sent (the last few)
 
     def state(self) -> dict:
         return {"cycle": self.cycle, "version": self.version}
 
     def load(self, st: dict) -> None:
         self.cycle, self.version = st["cycle"], st["version"]
-
-    def sent(self, t: float, max_staleness: int) -> None:
-        """The version's adapter sent at t; the send times of versions nothing samples with any more let go."""
-        kept = self.version - max_staleness - 2
-        self.sent_at = {v: s for v, s in self.sent_at.items() if v > kept} | {self.version: t}
 
 
 @dataclass
@@ -473,9 +467,7 @@ class Controller:
                 self.source.requeue(it.index, it.epoch)
             else:  # it could no longer be trained
                 self.counters["stale_stopped"] += 1
-                v = meta["stale_version"]
-                self._stale(it.index, it.epoch, v,
-                            retry_has_more_time(it.queued_at, self.progress.sent_at.get(v), time.time()))
+                self._stale(it.index, it.epoch, meta["stale_version"])
         elif not meta.get("failure"):
             self.failures.rewarded()
             times = {"handed_out_at": it.queued_at, "returned_at": time.time()}  # run_log.sampling_times
@@ -504,24 +496,20 @@ class Controller:
             self.counters["stale_dropped"] += 1
             self._stale(m["index"], m["epoch"], m["version"])
 
-    def _stale(self, index: int, epoch: int, version: int, more_time: bool = True) -> None:
+    def _stale(self, index: int, epoch: int, version: int) -> None:
         """A group past the staleness bound (stopped mid-sampling, or dropped from the buffer when it came back too
         late): its prompt sampled again once in its epoch, the second time recorded as not trained (the source
-        counts). more_time False: stopped after the whole time the bound gives (pipeline.retry_has_more_time),
-        recorded at once."""
-        if not (more_time and self.source.went_stale(index, epoch, self.version)):
+        counts)."""
+        if not self.source.went_stale(index, epoch, self.version):
             self.counters["stale_failed"] += 1
-            self.failures.too_slow(index, epoch, self.version - version, self.cfg.cluster.max_staleness,
-                                   whole_window=not more_time)
+            self.failures.too_slow(index, epoch, self.version - version, self.cfg.cluster.max_staleness)
 
     # Publishing waits for no generation: each worker loads the adapter between two engine steps while its requests
     # run on, so every worker serves the new version before the next cycle begins (with max_staleness 0, before any
     # of its prompts goes out).
     def _send(self, adapter_ref) -> tuple:
         """The adapter of version self.version to every worker. -> (what was sent, the time it was sent)."""
-        sent = self.pool.send(self.version, adapter_ref), time.time()
-        self.progress.sent(sent[1], self.cfg.cluster.max_staleness)
-        return sent
+        return self.pool.send(self.version, adapter_ref), time.time()
 
     def _feed_ahead(self) -> None:
         """The prompts the staleness bound allows for the version just sent go out now (those of the batches after the

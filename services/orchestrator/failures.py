@@ -48,14 +48,12 @@ class FailureLog:
         """A prompt whose rollout worker died twice while running it (the second time alone): as reward_error."""
         self._permanent(index, epoch, "worker_died", message)
 
-    def too_slow(self, index: int, epoch: int, lag: int, max_staleness: int, whole_window: bool = False) -> None:
+    def too_slow(self, index: int, epoch: int, lag: int, max_staleness: int) -> None:
         """A prompt whose group went past the bound a second time in its epoch (stopped mid-sampling, or back too
-        late), or stopped after the whole time the bound gives (whole_window): recorded as not trained this epoch
-        (TRL's AsyncGRPOTrainer drops such samples and logs it at info level). More than a quarter of one epoch's rows
-        (at least 4) stops the run: the bound leaves most of the data untrained."""
-        when = ("after all the time the bound gives its version (sampled again, it would have no more)"
-                if whole_window else "a second time")
-        self._record(index, epoch, "stale", f"its group went past the staleness bound {when}, {lag} policy "
+        late): recorded as not trained this epoch (TRL's AsyncGRPOTrainer drops such samples and logs it at info level).
+        More than a quarter of one epoch's rows (at least 4) stops the run: the bound leaves most of the data
+        untrained."""
+        self._record(index, epoch, "stale", f"its group went past the staleness bound a second time, {lag} policy "
                      f"versions behind (cluster.max_staleness = {max_staleness}): it takes longer to sample and score "
                      f"than {max_staleness + 1} cycles; sampled afresh in epoch {epoch + 1}; allowed: a larger "
                      "cluster.max_staleness, or a smaller generation.max_completion_length")

@@ -38,20 +38,3 @@ def trained_ahead_allowed(max_staleness: int, batches_left: int, checkpoint_due:
     learner then never idles between batches. Not when this cycle saves a checkpoint (the save must hold this cycle's
     weights, and the learner runs its calls in order), past the last batch, or when the job is stopping."""
     return max_staleness >= 1 and batches_left > 0 and not checkpoint_due and not stopping
-
-
-# A group stopped past the bound is sampled again when a newer version is published (PromptSource.went_stale), which
-# gives the retry the whole window the bound leaves a version: from its publish to the take that stops what it
-# sampled. An attempt handed out within the first tenth of that window (as the prompts handed out at a publish are)
-# had it already; sampled again, its answer would be stopped again, and the engine would have run it twice for
-# nothing (the long rows of a long tail at a small bound).
-WHOLE_WINDOW = 0.9
-
-
-def retry_has_more_time(handed_out_at: float, version_sent_at: float | None, stopped_at: float) -> bool:
-    """A group stopped past the bound: whether a retry, handed out at a publish, would have more time than this
-    attempt had. version_sent_at: when the version it was sampled with was sent to the workers (None: not known,
-    as for the run's first: yes)."""
-    if version_sent_at is None or stopped_at <= version_sent_at:
-        return True
-    return stopped_at - handed_out_at < WHOLE_WINDOW * (stopped_at - version_sent_at)

@@ -15,8 +15,7 @@ MAX_WORKER_DEATHS = 1  # a prompt held by a worker that died is handed out again
 # A prompt whose group went past max_staleness (stopped mid-sampling, or back too late to be taken) is handed out
 # again once in its epoch, once a newer version than the one it was held at serves (`next`): sampled with it, it has
 # all the k + 1 cycles the bound gives (handed out at once, it was sampled with the version about to be replaced, and
-# had one cycle less). The second time it is recorded as not trained that epoch; so is one stopped after that whole
-# window already (the controller asks pipeline.retry_has_more_time first). Re-queued first every time, such
+# had one cycle less). The second time it is recorded as not trained that epoch. Re-queued first every time, such
 # prompts (the long tail of lengths at a small bound) came to fill the engine, each stopped again: on the 1.5B long
 # tail at max_staleness 1 the step grew from 5 to 22 s within six steps (bench/results/e2e_gpu_scale.md, the H200 runs
 # of 2026-12-06).

@@ -402,37 +402,6 @@ def test_a_group_past_the_bound_is_sampled_again_once_then_recorded_whether_stop
     assert [ctl.source.next(4) for _ in range(3)] == [(4, 0), (5, 0), (4, 1)]  # a newer one: first
 
 
-def test_a_group_stopped_after_its_versions_whole_window_is_recorded_at_once(job_files, tmp_path):
-    """Stopped past the bound, a group handed out at its version's publish had all the time a retry would get: its
-    prompt is recorded at once (said why), not held; one handed out halfway through the window is held for the next
-    publish as before. The send times kept are those of the versions that may still be sampling."""
-    import time
-
-    from tandem.core.config import JobConfig
-    from tandem.core.protocol import PromptItem, RolloutFailure, group_meta
-    from tandem.services.orchestrator.controller import Controller
-    from tandem.services.orchestrator.failures import FailureLog
-
-    ctl = Controller(JobConfig.from_dict({**job_files, "cluster": {"max_staleness": 1}}))
-    said = []
-    ctl.source, ctl.buffer = PromptSource(10, 0, shuffle=False), GroupBuffer(1, 10)
-    ctl.failures = FailureLog(tmp_path / "f.jsonl", ["r.py:f"], unique_prompts=2, rows=10, say=said.append)
-    now = time.time()
-    ctl.progress.version, ctl.progress.sent_at = 3, {1: now - 10.0, 2: now - 5.0, 3: now - 0.5}
-    stopped = group_meta(RolloutFailure(9, 4, "stopped", stale_version=1))
-    ctl._accept(PromptItem(9, 4, np.array([1], np.int32), "p", queued_at=now - 9.95), stopped, None)  # at the publish
-    ctl._accept(PromptItem(10, 5, np.array([1], np.int32), "p", queued_at=now - 5.0), stopped, None)  # halfway
-    assert [(f["index"], f["reason"]) for f in ctl.failures.failed] == [(4, "stale")]
-    assert list(ctl.source.held) == [(5, 0, 3)]
-    assert ctl.counters == {"stale_stopped": 2, "stale_failed": 1}
-    assert "went past the staleness bound after all the time the bound gives its version" in said[0]
-
-    ctl.progress.version = 4
-    ctl.progress.sent(now, max_staleness=1)
-    assert ctl.progress.sent_at == {2: now - 5.0, 3: now - 0.5, 4: now}  # 1: nothing samples with it at k = 1
-    assert ctl.progress.state() == {"cycle": 0, "version": 4}  # never saved: a resume publishes anew
-
-
 def test_prompts_stopped_past_the_bound_do_not_come_to_fill_the_engine(job_files, tmp_path):
     """A model of the long tail at max_staleness 1: each cycle the engine holds 32 prompts, those of the long rows
     (every 8th) are always stopped past the bound, the others are trained. Each long row is handed out at most twice

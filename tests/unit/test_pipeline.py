@@ -68,18 +68,3 @@ def test_the_rule_in_numbers():
     assert prompts_wanted(8, 1, training=False, batches_left=0) == 0
     assert not trained_ahead_allowed(1, 5, checkpoint_due=False, stopping=True)
     assert not trained_ahead_allowed(0, 5, checkpoint_due=False, stopping=False)
-
-
-def test_a_stopped_group_is_sampled_again_only_when_a_retry_would_have_more_time():
-    """The window a retry gets is its version's, publish to stop; an attempt handed out at the publish (or before it,
-    started on the new version) had it, one handed out later had less. Against the times themselves."""
-    from tandem.services.orchestrator.pipeline import WHOLE_WINDOW, retry_has_more_time
-
-    sent, stopped = 100.0, 110.0  # a window of 10 s
-    assert not retry_has_more_time(100.0, sent, stopped)  # handed out at the publish
-    assert not retry_has_more_time(99.0, sent, stopped)  # before it, sampled with it
-    assert not retry_has_more_time(100.0 + 10 * (1 - WHOLE_WINDOW) - 1e-6, sent, stopped)
-    assert retry_has_more_time(100.0 + 10 * (1 - WHOLE_WINDOW) + 1e-6, sent, stopped)
-    assert retry_has_more_time(105.0, sent, stopped)  # half the window: a retry has twice the time
-    assert retry_has_more_time(100.0, None, stopped)  # the version's send not known (the run's first)
-    assert retry_has_more_time(100.0, 111.0, stopped)  # a clock that went back: as not known
