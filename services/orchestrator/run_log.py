@@ -57,14 +57,18 @@ def rollout_rates(before: dict, after: dict) -> dict:
 
 def sampling_times(metas: list[dict]) -> dict:
     """How long a batch's groups took from their hand-out to their return to the controller: a group's (the median
-    over the batch), and the batch's, from its first hand-out to its last return. Beside the cycle's split they say
-    whether a step waits on the engine's speed or on when the prompts went out (docs/evaluation-and-metrics.md).
-    Groups without both times are left out."""
+    over the batch), and the batch's, from its first hand-out to its last return; and how long a group waited in the
+    buffer from its return to the batch's take (the median), holding a place of the staleness bound meanwhile.
+    Beside the cycle's split they say whether a step waits on the engine's speed or on when the prompts went out
+    (docs/evaluation-and-metrics.md). Groups without the times are left out."""
     spans = [(m["handed_out_at"], m["returned_at"]) for m in metas if m.get("handed_out_at") and m.get("returned_at")]
     if not spans:
         return {}
-    return {"rollout/group_sampling_s": statistics.median(b - a for a, b in spans),
-            "rollout/batch_sampling_s": max(b for _, b in spans) - min(a for a, _ in spans)}
+    out = {"rollout/group_sampling_s": statistics.median(b - a for a, b in spans),
+           "rollout/batch_sampling_s": max(b for _, b in spans) - min(a for a, _ in spans)}
+    if waits := [m["taken_at"] - m["returned_at"] for m in metas if m.get("returned_at") and m.get("taken_at")]:
+        out["rollout/group_buffered_s"] = statistics.median(waits)
+    return out
 
 
 def parse_lines(text: str) -> list[dict]:

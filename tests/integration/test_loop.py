@@ -138,6 +138,8 @@ def test_k0_samples_each_cycle_with_the_previous_version_and_resume_continues_or
         s = r["steps"][-1]
         assert s["rollout/batch_sampling_s"] >= s["generate_wait_s"] - 0.01, s
         assert 0 < s["rollout/group_sampling_s"] <= s["rollout/batch_sampling_s"], s
+        # the groups back first waited in the buffer until the last came back, and the take followed at once
+        assert 0 < s["rollout/group_buffered_s"] <= s["rollout/batch_sampling_s"] + 0.5, s
         if c == 1:
             a.save_checkpoint()
     # max_staleness 0: every group of cycle c sampled with version c exactly

@@ -172,12 +172,15 @@ def test_the_engines_step_rate_and_load_come_from_their_steps():
 
 
 def test_sampling_times_are_a_groups_median_and_the_batch_from_first_hand_out_to_last_return():
-    metas = [{"handed_out_at": 100.0, "returned_at": 104.0}, {"handed_out_at": 101.0, "returned_at": 103.0},
-             {"handed_out_at": 110.0, "returned_at": 127.0},  # handed out later (a stale group sampled again)
+    metas = [{"handed_out_at": 100.0, "returned_at": 104.0, "taken_at": 130.0},
+             {"handed_out_at": 101.0, "returned_at": 103.0, "taken_at": 130.0},
+             {"handed_out_at": 110.0, "returned_at": 127.0, "taken_at": 130.0},  # handed out later (sampled again)
              {"version": 3}]  # no times: left out
     t = sampling_times(metas)
     assert t["rollout/group_sampling_s"] == 4.0  # spans 4, 2, 17
     assert t["rollout/batch_sampling_s"] == 27.0  # 100 -> 127
+    assert t["rollout/group_buffered_s"] == 26.0  # waits 26, 27, 3
+    assert "rollout/group_buffered_s" not in sampling_times([dict(metas[0], taken_at=None)])  # not taken yet
     assert sampling_times([{"version": 3}]) == {} and sampling_times([]) == {}
 
 
