@@ -487,8 +487,6 @@ def actor_nodes(ray, ctl) -> dict:
     return ray.get(ctl.__ray_call__.remote(ask))
 
 
-
-
 CYCLE_KEYS = ("step", "generate_wait_s", "train_s", "publish_s", "cycle_s", "rollout_busy_s", "rollout/batch_sampling_s",
               "rollout/group_sampling_s", "rollout/group_buffered_s", "learner/time/forwards_s",
               "prompts_in_flight", "queue_depth", "count/batches_trained_ahead", "count/stale_dropped",

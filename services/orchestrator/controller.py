@@ -376,8 +376,9 @@ class Controller:
         last batch stops every training request: nothing trains them in this run (services/orchestrator/pipeline.py:
         with k >= 1 up to one batch of prompts is out past the last)."""
         training = Training(batch, sampled, self.learner.train_async([g for _, g in batch], True))
-        for m, _ in batch:  # run_log.sampling_times: how long each waited in the buffer (the first take's, if taken again)
-            m.setdefault("taken_at", time.time())
+        taken = time.time()  # run_log.sampling_times: how long each waited in the buffer (the first take's, if again)
+        for m, _ in batch:
+            m.setdefault("taken_at", taken)
         if (k := self.cfg.cluster.max_staleness) >= 1:  # after the learner's call: it waits for nothing of this
             if self._batches_left() == 1:
                 self.progress.all_taken = True
