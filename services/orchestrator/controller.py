@@ -450,8 +450,9 @@ class Controller:
                 return ray.get(refs)[0]
 
     def _wanted(self, training: bool) -> int:
-        return prompts_wanted(self.plan.unique_prompts, self.cfg.cluster.max_staleness, training,
-                              self._batches_left())
+        c = self.cfg.cluster
+        return prompts_wanted(self.plan.unique_prompts, c.max_staleness, training, self._batches_left(),
+                              c.rollout_oversample_prompts)
 
     def _gather(self, want: int, timeout: float, wake: list = ()) -> None:
         """Keep `want` prompts buffered or in flight, take what came back within `timeout` (or until one of `wake`

@@ -23,13 +23,15 @@ ends and leaves what it did not train.
 from __future__ import annotations
 
 
-def prompts_wanted(unique_prompts: int, max_staleness: int, training: bool, batches_left: int) -> int:
+def prompts_wanted(unique_prompts: int, max_staleness: int, training: bool, batches_left: int,
+                   oversample: int = 0) -> int:
     """Prompts to keep outstanding (buffered + in flight) now. training: a batch is taken and not yet trained;
-    batches_left: the run's batches not yet trained, that one included. Once every batch is taken, none."""
+    batches_left: the run's batches not yet trained, that one included; oversample: prompts out beyond the bound
+    (cluster.rollout_oversample_prompts, k >= 1), which the takes' stops balance. Once every batch is taken, none."""
     untaken = batches_left - int(training)
     if untaken <= 0:
         return 0
-    return unique_prompts * min(max_staleness + 1 - int(training), untaken + int(max_staleness >= 1))
+    return unique_prompts * min(max_staleness + 1 - int(training), untaken + int(max_staleness >= 1)) + oversample
 
 
 def trained_ahead_allowed(max_staleness: int, batches_left: int, checkpoint_due: bool, stopping: bool) -> bool:

@@ -290,6 +290,11 @@ class ClusterConfig(_Section):
         "vllm_max_num_seqs, else 256 sequences on a GPU (128 on a CPU), over num_generations; with tools or an "
         "environment, as many as max_staleness lets out (an episode waiting on a tool holds no sequence in the "
         "engine); max_staleness may keep fewer there (k + 1 batches outstanding at most)")
+    rollout_oversample_prompts: int = Field(
+        0, ge=0, description="prompts handed out beyond the k + 1 batches max_staleness lets out (max_staleness >= 1 "
+        "only): a batch takes the groups that finish first, so with a long tail of lengths these stand in for the "
+        "groups the bound stops (what verl and slime call over-sampling); the groups not taken in time are stopped "
+        "and recorded as the bound's (`count/stale_stopped`), and training leans further to short completions")
     vllm_enforce_eager: bool | None = Field(
         None, description="vLLM without CUDA graphs; null = eager on CPU, CUDA graphs on GPU")
     vllm_gpu_memory_utilization: float | Literal["auto"] = Field(
@@ -329,6 +334,14 @@ class ClusterConfig(_Section):
         "waited in the buffer and the learner waited less than 0.05 x; Ray's autoscaler is asked for the "
         "resources (request_resources), so it adds and removes nodes; null = the count stays "
         "num_rollout_workers (`tandem scale` sets it by hand)")
+
+    @model_validator(mode="after")
+    def _oversample_needs_a_bound(self) -> ClusterConfig:
+        if self.rollout_oversample_prompts and self.max_staleness == 0:
+            raise ValueError(f"cluster.rollout_oversample_prompts = {self.rollout_oversample_prompts} with "
+                             "cluster.max_staleness = 0: a synchronous cycle trains every group it hands out; "
+                             "allowed: 0, or max_staleness >= 1")
+        return self
 
     @model_validator(mode="after")
     def _start_within_bounds(self) -> ClusterConfig:

@@ -26,7 +26,7 @@ PLATEAU_SEQUENCES = {"gpu": 256, "cpu": 128}
 
 def prompts_in_flight(cfg) -> int:
     """Prompts the controller keeps at most in each worker's engine: `cluster.rollout_prompts_in_flight`, or as
-    many groups as reach the engine's plateau (`plateau_prompts`); for a job whose episodes call tools, as many as
+    many groups as reach the engine's plateau (`plateau_prompts`) and the over-sampled ones; for a job whose episodes call tools, as many as
     the staleness bound lets out: an episode waiting on a tool holds no sequence in the engine, so episodes counted
     against the plateau would leave it idle (bench/results/agentic_gpu.md: a tool-bound run's engine was busy 0.40
     of the time on one H100). The staleness bound may keep fewer there (services/orchestrator/pipeline.py: k + 1
@@ -34,13 +34,16 @@ def prompts_in_flight(cfg) -> int:
     c = cfg.cluster
     if c.rollout_prompts_in_flight is not None:
         return c.rollout_prompts_in_flight
-    return prompts_ahead(cfg) if episodes_call_tools(cfg) else plateau_prompts(cfg)
+    if episodes_call_tools(cfg):
+        return prompts_ahead(cfg)
+    return plateau_prompts(cfg) + c.rollout_oversample_prompts
 
 
 def prompts_ahead(cfg) -> int:
-    """The most prompts the controller hands out ahead: max_staleness + 1 cycles' unique_prompts
-    (services/orchestrator/pipeline.py)."""
-    return BatchPlan.from_config(cfg).unique_prompts * (cfg.cluster.max_staleness + 1)
+    """The most prompts the controller hands out ahead: max_staleness + 1 cycles' unique_prompts, and the
+    over-sampled ones (services/orchestrator/pipeline.py)."""
+    c = cfg.cluster
+    return BatchPlan.from_config(cfg).unique_prompts * (c.max_staleness + 1) + c.rollout_oversample_prompts
 
 
 def plateau_prompts(cfg) -> int:

@@ -248,3 +248,13 @@ def test_a_fresh_run_refuses_a_used_run_directory(job_files, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(JobConfigError, match="a file, not a directory"):
         check_inputs(load(d, [f"logging.output_dir={tmp_path / 'file'}"]))
+
+
+def test_oversampling_needs_a_staleness_bound(job_files):
+    d = copy.deepcopy(job_files)
+    d["cluster"] = {**d.get("cluster", {}), "rollout_oversample_prompts": 8}
+    with pytest.raises(JobConfigError, match=r"cluster.rollout_oversample_prompts = 8 with cluster.max_staleness = 0"
+                                             r".*allowed: 0, or max_staleness >= 1"):
+        load(d)
+    d["cluster"]["max_staleness"] = 1
+    assert load(d).cluster.rollout_oversample_prompts == 8

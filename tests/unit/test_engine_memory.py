@@ -98,6 +98,13 @@ def test_a_job_with_tools_hands_out_what_the_staleness_bound_allows_and_sizes_th
     assert sequences_in_engine(tools(max_staleness=4, rollout_prompts_in_flight=4)) == 32
 
 
+def test_over_sampled_prompts_go_out_beside_the_plateau_and_the_engine_holds_them():
+    over = job(max_staleness=1, rollout_oversample_prompts=8)
+    assert prompts_in_flight(over) == 32 + 8  # the plateau's 256 // 8, and the 8 beyond the bound
+    assert sequences_in_engine(over) == (2 * 16 + 8) * 8  # k + 1 cycles of 16 prompts and 8 more, 8 completions each
+    assert engine_kv_bytes(over, QWEN_1_5B) == engine_kv_bytes(job(max_staleness=1), QWEN_1_5B) * 40 // 32
+
+
 def test_a_learner_beside_an_auto_engine_counts_what_the_engine_will_take():
     from tandem.learner.memory import (
         ACTIVATION_SHARE,

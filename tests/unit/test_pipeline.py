@@ -66,5 +66,9 @@ def test_the_rule_in_numbers():
     assert prompts_wanted(8, 0, training=False, batches_left=1) == 8  # k = 0: a batch waits for all of its own
     assert prompts_wanted(8, 3, training=True, batches_left=1) == 0  # every batch taken: nothing more goes out
     assert prompts_wanted(8, 1, training=False, batches_left=0) == 0
+    # over-sampled prompts ride on top of the bound while a batch is untaken, and stop with the takes
+    assert prompts_wanted(8, 1, training=False, batches_left=10, oversample=3) == 19
+    assert prompts_wanted(8, 1, training=True, batches_left=10, oversample=3) == 11
+    assert prompts_wanted(8, 1, training=True, batches_left=1, oversample=3) == 0
     assert not trained_ahead_allowed(1, 5, checkpoint_due=False, stopping=True)
     assert not trained_ahead_allowed(0, 5, checkpoint_due=False, stopping=False)
