@@ -293,8 +293,9 @@ class ClusterConfig(_Section):
     rollout_oversample_prompts: int = Field(
         0, ge=0, description="prompts handed out beyond the k + 1 batches max_staleness lets out (max_staleness >= 1 "
         "only): a batch takes the groups that finish first, so with a long tail of lengths these stand in for the "
-        "groups the bound stops (over-sampling: more out than a batch trains, the first back taken); the groups not taken in time are stopped "
-        "and recorded as the bound's (`count/stale_stopped`), and training leans further to short completions")
+        "groups the bound stops (over-sampling: more out than a batch trains, the first back taken); the groups not "
+        "taken in time are stopped and recorded as the bound's (`count/stale_stopped`), and training leans further "
+        "to short completions")
     vllm_enforce_eager: bool | None = Field(
         None, description="vLLM without CUDA graphs; null = eager on CPU, CUDA graphs on GPU")
     vllm_gpu_memory_utilization: float | Literal["auto"] = Field(

@@ -26,11 +26,11 @@ PLATEAU_SEQUENCES = {"gpu": 256, "cpu": 128}
 
 def prompts_in_flight(cfg) -> int:
     """Prompts the controller keeps at most in each worker's engine: `cluster.rollout_prompts_in_flight`, or as
-    many groups as reach the engine's plateau (`plateau_prompts`) and the over-sampled ones; for a job whose episodes call tools, as many as
-    the staleness bound lets out: an episode waiting on a tool holds no sequence in the engine, so episodes counted
-    against the plateau would leave it idle (bench/results/agentic_gpu.md: a tool-bound run's engine was busy 0.40
-    of the time on one H100). The staleness bound may keep fewer there (services/orchestrator/pipeline.py: k + 1
-    batches outstanding at most)."""
+    many groups as reach the engine's plateau (`plateau_prompts`) and the over-sampled ones; for a job whose episodes
+    call tools, as many as the staleness bound lets out: an episode waiting on a tool holds no sequence in the
+    engine, so episodes counted against the plateau would leave it idle (bench/results/agentic_gpu.md: a tool-bound
+    run's engine was busy 0.40 of the time on one H100). The staleness bound may keep fewer there
+    (services/orchestrator/pipeline.py: k + 1 batches outstanding at most)."""
     c = cfg.cluster
     if c.rollout_prompts_in_flight is not None:
         return c.rollout_prompts_in_flight
