@@ -436,9 +436,9 @@ def tandem_config(paths, wl, k, args, mode="server", vllm=True):
                     "rollout_resources": res(args.rollout_gpus if gpu else 0),
                     "learner_resources": res(args.learner_gpus if gpu else 0),
                     "vllm_gpu_memory_utilization": args.vllm_memory or "auto",
+                    # each where the workload sets it, else Tandem's default
                     **{k: wl[k] for k in ("learner_sm_carveout", "vllm_merge_adapter", "rollout_prompts_in_flight",
                                           "rollout_oversample_prompts", "vllm_max_num_seqs") if k in wl}},
-                    # else Tandem's defaults
         "logging": {"output_dir": str(Path(args.dir) / f"run-k{k}"), "progress": False},
     })
 
