@@ -393,7 +393,11 @@ def test_in_kernel_tis_from_logp_equals_the_weight_taken_first(seed, dtype, mode
     (l1, p1, gh1, gw1), (l2, p2, gh2, gw2) = runs
     assert torch.isfinite(l2) and torch.isfinite(gh2).all() and torch.isfinite(gw2).all()
     assert abs(l1.item() - l2.item()) <= 1e-5 * max(1.0, abs(l1.item())), f"seed {seed}"
-    assert torch.equal(p1, p2) and rel(gh2, gh1) <= 1e-5 and rel(gw2, gw1) <= 1e-5, f"seed {seed}"
+    # in bf16 the two weights (torch.exp here, the kernel's exp there) may differ in float32's last bit, and a
+    # dL/dlogits element then rounds to bf16 one step (2**-7 of it) apart: on one H100, rel(gw) 1.2e-5 for a seed
+    # (bench/results/e2e_gpu_scale_raw/h100/2026-12-06-d82b51a/1.5b_longtail/cuda_tests.txt); float32 stays at 1e-5
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    assert torch.equal(p1, p2) and rel(gh2, gh1) <= tol and rel(gw2, gw1) <= tol, f"seed {seed}"
     # the reference path: float64, its own log-probs; tokens at a bound's edge may fall either way, so no mask mode
     if mode == "token_truncate":
         h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
