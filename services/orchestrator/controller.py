@@ -498,6 +498,7 @@ class Controller:
     def _requeue_stale(self) -> None:
         for m in self.buffer.drop_stale(self.version):
             self.counters["stale_dropped"] += 1
+            self.counters["stale_dropped_tokens"] += m.get("tokens", 0)
             self._stale(m["index"], m["epoch"], m["version"])
 
     def _stale(self, index: int, epoch: int, version: int) -> None:
@@ -542,7 +543,8 @@ class Controller:
     # ------------------------------------------------------------------------------ metrics
 
     def _rollout_stats(self) -> dict:
-        return {"t": time.time(), "workers": {s["worker"]: s for s in self.pool.stats()}}
+        return {"t": time.time(), "workers": {s["worker"]: s for s in self.pool.stats()},
+                "dropped_tokens": self.counters["stale_dropped_tokens"]}
 
     def _metrics(self, steps, batch, before, stage: Stages, sampled: dict) -> list[dict]:
         lags = Counter(self.version - 1 - m["version"] for m, _ in batch)

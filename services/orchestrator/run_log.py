@@ -27,8 +27,9 @@ def rollout_rates(before: dict, after: dict) -> dict:
     """Per-cycle rollout figures from two snapshots of the workers' stats ({worker: {tokens, busy_s,
     stale_sequence_steps}} and the time `t` each was taken): generated tokens per second of engine busy time (summed
     over workers), the share of the cycle an engine was busy (mean over workers), the longest busy time, the
-    share of the engines' sequence steps that went to requests stopped past max_staleness (their steps over those
-    and the tokens of the groups that finished: an upper bound, a stopped sequence may have ended before), and for
+    share of the engines' work that no training took: the sequence steps of requests stopped past max_staleness and
+    the tokens of finished groups dropped past it in the buffer (`dropped_tokens`, the controller's count), over those
+    steps and the tokens of the groups that finished (an upper bound: a stopped sequence may have ended before), and for
     streaming engines their steps a second of busy time and the sequences a step carried (a group's tokens count in
     the cycle it finishes: over a cycle, an estimate)."""
     wall = max(after["t"] - before["t"], 1e-9)
@@ -44,9 +45,11 @@ def rollout_rates(before: dict, after: dict) -> dict:
         tokens, stale = tokens + made, stale + wasted
         if n := s.get("engine_steps", 0) - b.get("engine_steps", 0):  # a streaming engine's (vLLM's)
             steps, stepping, carried = steps + n, stepping + busy, carried + made + wasted
+    # a dropped group finished in this cycle or an earlier one: over one cycle the share is capped at all of it
+    dropped = after.get("dropped_tokens", 0) - before.get("dropped_tokens", 0)
     out = {"rollout/gen_tokens_per_s": sum(rates.values()),
            "rollout/busy_frac": sum(fracs.values()) / len(fracs) if fracs else 0.0, "rollout_busy_s": busiest,
-           "rollout/stale_waste_frac": stale / (stale + tokens) if stale + tokens > 0 else 0.0}
+           "rollout/stale_waste_frac": min(1.0, (stale + dropped) / (stale + tokens)) if stale + tokens > 0 else 0.0}
     if steps:  # how fast the engines step, and how many sequences a step carries (finished tokens and stopped steps)
         out.update({"rollout/engine_steps_per_s": steps / stepping if stepping > 0 else 0.0,
                     "rollout/sequences_per_step": carried / steps})

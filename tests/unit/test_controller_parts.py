@@ -156,6 +156,11 @@ def test_the_stale_waste_is_the_stopped_sequence_steps_over_those_and_the_finish
                                    1: {"tokens": 1000, "busy_s": 2.0}}}
     assert rollout_rates(before, after)["rollout/stale_waste_frac"] == pytest.approx(1000 / 5000)
     assert rollout_rates(after, after)["rollout/stale_waste_frac"] == 0.0  # nothing sampled: none wasted
+    # groups of 600 tokens finished and were then dropped past the bound in the buffer: wasted as well
+    dropped = rollout_rates(dict(before, dropped_tokens=100), dict(after, dropped_tokens=700))
+    assert dropped["rollout/stale_waste_frac"] == pytest.approx((1000 + 600) / 5000)
+    # dropped groups that finished in earlier cycles: the cycle's share is capped at the whole
+    assert rollout_rates(before, dict(after, dropped_tokens=9000))["rollout/stale_waste_frac"] == 1.0
     assert "rollout/engine_steps_per_s" not in rollout_rates(before, after)  # no engine that counts its steps
 
 
@@ -384,16 +389,16 @@ def test_a_group_past_the_bound_is_sampled_again_once_then_recorded_whether_stop
     item = PromptItem(group_id=9, index=4, prompt_ids=np.array([1, 2], np.int32), prompt="p")
     stopped = group_meta(RolloutFailure(9, 4, "stopped", stale_version=1))
     ctl._accept(item, stopped, None)  # row 4 stopped: handed out again
-    ctl.buffer.admit({"index": 5, "epoch": 0, "version": 1}, object())  # row 5 back too late: handed out again
+    ctl.buffer.admit({"index": 5, "epoch": 0, "version": 1, "tokens": 40}, object())  # row 5 back too late: again
     ctl.buffer.admit({"index": 6, "epoch": 0, "version": 2}, object())  # within the bound
     ctl._requeue_stale()
     assert list(ctl.source.held) == [(4, 0, 3), (5, 0, 3)] and not ctl.source.requeued  # held at version 3
     assert ctl.buffer.pending() == [(6, 0)] and said == [] and ctl.failures.failed == []
-    ctl.buffer.admit({"index": 4, "epoch": 0, "version": 1}, object())  # row 4 again, back too late: recorded
+    ctl.buffer.admit({"index": 4, "epoch": 0, "version": 1, "tokens": 30}, object())  # row 4 again, too late: recorded
     ctl._requeue_stale()
     ctl._accept(PromptItem(10, 5, np.array([1], np.int32), "p"), stopped, None)  # row 5 again, stopped: recorded
     assert list(ctl.source.held) == [(4, 0, 3), (5, 0, 3)] and not ctl.source.requeued
-    assert ctl.counters == {"stale_stopped": 2, "stale_dropped": 2, "stale_failed": 2}
+    assert ctl.counters == {"stale_stopped": 2, "stale_dropped": 2, "stale_failed": 2, "stale_dropped_tokens": 70}
     assert [(f["index"], f["epoch"], f["reason"]) for f in ctl.failures.failed] == [(4, 0, "stale"), (5, 0, "stale")]
     assert said[0] == ("tandem: dataset row 4 (epoch 0) not trained on, stale: its group went past the staleness "
                        "bound a second time, 2 policy versions behind (cluster.max_staleness = 1): it takes longer to "
