@@ -491,8 +491,10 @@ def actor_nodes(ray, ctl) -> dict:
 CYCLE_KEYS = ("step", "generate_wait_s", "train_s", "publish_s", "cycle_s", "rollout_busy_s", "rollout/batch_sampling_s",
               "rollout/group_sampling_s", "rollout/group_buffered_s", "learner/time/forwards_s",
               "prompts_in_flight", "queue_depth", "count/batches_trained_ahead", "count/stale_dropped",
-              "count/stale_stopped", "count/stale_failed", "rollout/stale_waste_frac", "rollout/engine_steps_per_s",
-              "rollout/sequences_per_step")
+              "count/stale_stopped", "count/stale_failed", "count/stale_dropped_tokens", "rollout/stale_waste_frac",
+              "rollout/engine_steps_per_s", "rollout/sequences_per_step",
+              # what the batch trained and how far behind it was: which of the two k >= 1 regimes a cycle is in
+              "completion_length", "completion_length_max", "staleness_hist")
 
 
 def rollout_snapshot(ray, ctl) -> dict:
