@@ -439,7 +439,8 @@ def tandem_config(paths, wl, k, args, mode="server", vllm=True):
                     # each where the workload sets it, else Tandem's default
                     **{k: wl[k] for k in ("learner_sm_carveout", "vllm_merge_adapter", "rollout_prompts_in_flight",
                                           "rollout_oversample_prompts", "vllm_max_num_seqs") if k in wl}},
-        "logging": {"output_dir": str(Path(args.dir) / f"run-k{k}"), "progress": False},
+        # group_trace: what became of each group (bench/results keep it beside the run's JSON)
+        "logging": {"output_dir": str(Path(args.dir) / f"run-k{k}"), "progress": False, "group_trace": True},
     })
 
 
@@ -1086,6 +1087,14 @@ def workload_dir(name: str, wl: dict) -> str:
     return "custom-" + "-".join(f"{k}{m[k]}" for k in MODEL_KEYS) + f"-len{wl['max_tokens']}"
 
 
+def keep_group_trace(run_dir: Path, result: Path) -> None:
+    """The run's group_trace.jsonl (logging.group_trace) beside its result, as NAME-groups.jsonl."""
+    trace = run_dir / "group_trace.jsonl"
+    if trace.is_file():
+        result.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(trace, result.with_name(result.stem + "-groups.jsonl"))
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -1124,6 +1133,7 @@ def main():
     if a.candidate in TANDEM:
         k, mode, vllm = TANDEM[a.candidate]
         res = run_tandem(paths, wl, k, a, mode, vllm)
+        keep_group_trace(Path(a.dir) / f"run-k{k}", Path(a.json))
     elif a.candidate in TANDEM_NODES:
         res = run_tandem_nodes(paths, wl, TANDEM_NODES[a.candidate], a)
     elif a.candidate == "trl_async":

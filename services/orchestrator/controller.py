@@ -164,7 +164,7 @@ class Controller:
         self.pool: RolloutPool | None = None
         self.learner = self.evaluator = None
         self.checkpoints = Checkpointer(cfg)
-        self.log = RunLog(self.out / "metrics.jsonl")
+        self.log = RunLog(self.out / "metrics.jsonl", cfg.logging.group_trace)
         self.mirror: RunMirror | None = None  # the run files' copy at a storage URI
         # the driving thread and the answering one
         self._drive, self._interrupted = threading.Lock(), threading.Event()
@@ -286,7 +286,8 @@ class Controller:
         out = Location(self.cfg.logging.output_dir)
         model = Path(self.cfg.model.path).resolve()
         trl = [ck for _, ck in trl_checkpoints(str(out))]  # TRL's checkpoint-N copies of the same run
-        for d in (out / "metrics.jsonl", out / "failed_prompts.jsonl", Location(self.cfg.checkpoint_dir),
+        for d in (out / "metrics.jsonl", out / "failed_prompts.jsonl", out / "group_trace.jsonl",
+                  Location(self.cfg.checkpoint_dir),
                   out / "adapter", out / "model", *trl):
             if is_uri(d) or not model.is_relative_to(Path(d).resolve()):  # the job's model in its run dir stays
                 Store(d).delete()
@@ -414,6 +415,8 @@ class Controller:
                 continue
             for m, _ in training.batch:
                 self.record.add(m["epoch"], m["index"], m["version"])
+                self.log.group("trained", self.version, m["index"], m["epoch"], m["version"], cycle=self.cycle + 1,
+                               tokens=m.get("tokens"), taken_at=m.get("taken_at"))
             return result, training
 
     def _without_lost(self, batch: list) -> list:
@@ -467,7 +470,10 @@ class Controller:
 
     def _accept(self, it, meta: dict, ref) -> None:
         if meta.get("stale_version") is not None:  # stopped mid-sampling
-            if self.progress.all_taken:  # by the run's end: left for a resume (the checkpoint's source state)
+            left = self.progress.all_taken
+            self.log.group("left" if left else "stopped", self.version, it.index, it.epoch, meta["stale_version"],
+                           handed_out_at=it.queued_at)
+            if left:  # by the run's end: left for a resume (the checkpoint's source state)
                 self.source.requeue(it.index, it.epoch)
             else:  # it could no longer be trained
                 self.counters["stale_stopped"] += 1
@@ -475,7 +481,10 @@ class Controller:
         elif not meta.get("failure"):
             self.failures.rewarded()
             times = {"handed_out_at": it.queued_at, "returned_at": time.time()}  # run_log.sampling_times
-            if not self.buffer.admit(dict(meta, index=it.index, epoch=it.epoch, **times), ref):
+            admitted = self.buffer.admit(dict(meta, index=it.index, epoch=it.epoch, **times), ref)
+            self.log.group("returned" if admitted else "filtered", self.version, it.index, it.epoch, meta["version"],
+                           tokens=meta.get("tokens"), **times)
+            if not admitted:
                 self.counters["groups_filtered"] += 1
         elif meta.get("fatal"):  # the function's answer has the wrong shape: every other row would fail the same way
             raise RewardContractError(meta["failure"])
@@ -499,6 +508,8 @@ class Controller:
         for m in self.buffer.drop_stale(self.version):
             self.counters["stale_dropped"] += 1
             self.counters["stale_dropped_tokens"] += m.get("tokens", 0)
+            self.log.group("dropped", self.version, m["index"], m["epoch"], m["version"], tokens=m.get("tokens"),
+                           returned_at=m.get("returned_at"))
             self._stale(m["index"], m["epoch"], m["version"])
 
     def _stale(self, index: int, epoch: int, version: int) -> None:
@@ -680,6 +691,7 @@ class Controller:
             self.pool.shutdown()
         if self.log.trackers is not None:
             self.log.trackers.close()
+        self.log.flush_groups()  # groups that came back after the last step's line
         self._push()  # the trackers' last files
         if self.learner is not None:
             self.learner.shutdown()

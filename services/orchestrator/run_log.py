@@ -93,9 +93,12 @@ def read_lines(path) -> list[dict]:
 class RunLog:
     """`trackers` (services/orchestrator/trackers.py, started with the job) get each line after metrics.jsonl."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, group_trace: bool = False):
         self.path = path
         self.trackers = None
+        # logging.group_trace: what became of each group, a line each, written with the step's metrics
+        self.group_trace = path.with_name("group_trace.jsonl") if group_trace else None
+        self._groups: list[dict] = []
         self._gauges: dict = {}
         self._export_failed = False
         self._flat = 0  # steps in a row whose every group had zero reward variance
@@ -132,6 +135,21 @@ class RunLog:
             return False
         return any(json.loads(x).get("step") == step for x in self.path.read_text().splitlines() if x.strip())
 
+    def group(self, event: str, served: int, index: int, epoch: int, version: int | None, **more) -> None:
+        """A line of group_trace.jsonl (logging.group_trace): `event` returned (scored, buffered), filtered
+        (dynamic sampling), trained (its batch's training ended; `cycle`), stopped (mid-sampling, past
+        max_staleness), dropped (buffered, then past it), or left (stopped by the run's last batch, pending for a
+        resume); `served`: the newest version published then; `version`: the one that sampled it."""
+        if self.group_trace is not None:
+            self._groups.append({"time": time.time(), "event": event, "served": served, "index": index,
+                                 "epoch": epoch, "version": version, **more})
+
+    def flush_groups(self) -> None:
+        if self._groups:
+            with open(self.group_trace, "a") as f:
+                f.write("".join(json.dumps(g) + "\n" for g in self._groups))
+            self._groups = []
+
     def write(self, steps: list[dict]) -> None:
         for st in steps:
             self._flat = self._flat + 1 if st.get("frac_reward_zero_std") == 1.0 else 0
@@ -139,6 +157,7 @@ class RunLog:
                 print(f"tandem: warning: every group's completions got the same reward for {FLAT_STEPS} steps in a "
                       f"row (to step {st.get('step')}): the advantages are 0 and nothing is learned; check the reward "
                       "functions (or grpo.dynamic_sampling: true to skip such groups)", flush=True)
+        self.flush_groups()
         now = time.time()
         lines = [{"time": now, **s} for s in steps]
         with open(self.path, "a") as f:

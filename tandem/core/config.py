@@ -410,6 +410,10 @@ class LoggingConfig(_Section):
         "(<output_dir>/runs), wandb (offline unless WANDB_API_KEY or WANDB_MODE says otherwise), mlflow "
         "(MLFLOW_TRACKING_URI, default <output_dir>/mlruns); 'none', 'all' or one name accepted")
     run_name: str | None = Field(None, description="the trackers' run name; null = the output_dir's name")
+    group_trace: bool = Field(False, description="write <output_dir>/group_trace.jsonl, a line each time a group "
+                              "comes back, is trained, or is stopped or dropped past cluster.max_staleness (its "
+                              "dataset row, epoch, version, tokens, the time, the version served then): how the "
+                              "pipeline spends the engines; a resumed run appends its lines")
 
     @field_validator("report_to", mode="before")
     @classmethod

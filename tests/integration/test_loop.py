@@ -172,8 +172,10 @@ def test_the_runs_last_batch_takes_what_comes_back_first_and_leaves_the_rest_to_
     """max_staleness 1, three cycles, the second saving (so nothing trains ahead of the last: its batch is collected):
     one batch of prompts more than the run trains goes out, the last batch takes the first U back, and taking it stops
     the rest, none of them counted stale; the last checkpoint holds them as pending, and a resume with a fourth step
-    hands them out first."""
-    cfg = loop_job(tmp_path, tiny_model, 1, batch={"max_steps": 3}, checkpoint={"save_steps": 2})
+    hands them out first. logging.group_trace: every trained group's line, after its return's, and the stopped ones
+    as left."""
+    cfg = loop_job(tmp_path, tiny_model, 1, batch={"max_steps": 3}, checkpoint={"save_steps": 2},
+                   logging={"group_trace": True})
     a = started(Controller(cfg))
     U = a.plan.unique_prompts
     said = []
@@ -187,6 +189,13 @@ def test_the_runs_last_batch_takes_what_comes_back_first_and_leaves_the_rest_to_
     check_accounting(a, 16)
     assert a.save_checkpoint().endswith("cycle-000003")
     a.shutdown()
+    trace = [json.loads(x) for x in (tmp_path / "run" / "group_trace.jsonl").read_text().splitlines()]
+    trained = [(g["epoch"], g["index"], g["version"]) for g in trace if g["event"] == "trained"]
+    assert sorted(trained) == sorted(a.seen) and {g["cycle"] for g in trace if g["event"] == "trained"} == {1, 2, 3}
+    returned = {(g["epoch"], g["index"], g["version"]): g["time"] for g in trace if g["event"] == "returned"}
+    assert all(returned[(g["epoch"], g["index"], g["version"])] <= g["time"] for g in trace if g["event"] == "trained")
+    assert {(g["index"], g["epoch"]) for g in trace if g["event"] == "left"} <= set(left)
+    assert not {g["event"] for g in trace} & {"stopped", "dropped"}
     cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": True}),
                                  "batch": cfg.batch.model_copy(update={"max_steps": 4})})
     b = started(Controller(cfg))

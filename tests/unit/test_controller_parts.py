@@ -385,6 +385,7 @@ def test_a_group_past_the_bound_is_sampled_again_once_then_recorded_whether_stop
     said = []
     ctl.source, ctl.buffer = PromptSource(10, 0, shuffle=False), GroupBuffer(1, 10)
     ctl.failures = FailureLog(tmp_path / "f.jsonl", ["r.py:f"], unique_prompts=2, rows=10, say=said.append)
+    ctl.log = RunLog(tmp_path / "metrics.jsonl", group_trace=True)
     ctl.progress.version = 3
     item = PromptItem(group_id=9, index=4, prompt_ids=np.array([1, 2], np.int32), prompt="p")
     stopped = group_meta(RolloutFailure(9, 4, "stopped", stale_version=1))
@@ -406,8 +407,29 @@ def test_a_group_past_the_bound_is_sampled_again_once_then_recorded_whether_stop
                        "cluster.max_staleness, or a smaller generation.max_completion_length")
     ctl._accept(PromptItem(11, 4, np.array([1], np.int32), "p", epoch=1), stopped, None)  # the next epoch: afresh
     assert list(ctl.source.held)[-1] == (4, 1, 3) and len(ctl.failures.failed) == 2
+    ctl.log.flush_groups()  # logging.group_trace: each stop and drop, in order, with the version served then
+    trace = [json.loads(x) for x in (tmp_path / "group_trace.jsonl").read_text().splitlines()]
+    assert [(g["event"], g["index"], g["epoch"], g["version"], g["served"], g.get("tokens")) for g in trace] == [
+        ("stopped", 4, 0, 1, 3, None), ("dropped", 5, 0, 1, 3, 40), ("dropped", 4, 0, 1, 3, 30),
+        ("stopped", 5, 0, 1, 3, None), ("stopped", 4, 1, 1, 3, None)]
     assert ctl.source.next(3) == (0, 0)  # the served version: still held
     assert [ctl.source.next(4) for _ in range(3)] == [(4, 0), (5, 0), (4, 1)]  # a newer one: first
+
+
+def test_the_group_trace_is_written_with_each_steps_metrics_and_only_when_asked(tmp_path):
+    """logging.group_trace off (the default): no file; on: the groups' lines land with the step's metrics line."""
+    off, on = RunLog(tmp_path / "a" / "metrics.jsonl"), RunLog(tmp_path / "b" / "metrics.jsonl", group_trace=True)
+    for log in (off, on):
+        log.path.parent.mkdir()
+        log.group("returned", 2, 7, 0, 1, tokens=12)
+        assert not (log.path.parent / "group_trace.jsonl").exists()  # held until the step is written
+        log.write([{"step": 1}])
+    assert not (tmp_path / "a" / "group_trace.jsonl").exists()
+    (line,) = [json.loads(x) for x in (tmp_path / "b" / "group_trace.jsonl").read_text().splitlines()]
+    assert {k: line[k] for k in ("event", "served", "index", "epoch", "version", "tokens")} == {
+        "event": "returned", "served": 2, "index": 7, "epoch": 0, "version": 1, "tokens": 12}
+    on.write([{"step": 2}])
+    assert len((tmp_path / "b" / "group_trace.jsonl").read_text().splitlines()) == 1  # nothing twice
 
 
 def test_prompts_stopped_past_the_bound_do_not_come_to_fill_the_engine(job_files, tmp_path):
