@@ -1,0 +1,46 @@
+"""bench/group_trace.py reads a run's group_trace.jsonl: batches in order, why each dropped group was dropped, and
+the bursts of groups that came back together."""
+
+import importlib.util
+
+from tests.helpers import ROOT
+
+spec = importlib.util.spec_from_file_location("group_trace", ROOT / "bench" / "group_trace.py")
+gt = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gt)
+
+
+def line(event, t, index, version, **more):
+    return {"time": t, "event": event, "served": 0, "index": index, "epoch": 0, "version": version, **more}
+
+
+TRACE = [
+    line("returned", 1.00, 1, 0, tokens=10, returned_at=1.00),
+    line("returned", 1.01, 2, 0, tokens=30, returned_at=1.01),
+    line("returned", 1.02, 3, 0, tokens=50, returned_at=1.02),  # a burst of three, one more than the batch took
+    line("returned", 2.00, 4, 1, tokens=20, returned_at=2.00),
+    line("trained", 3.0, 1, 0, cycle=1, tokens=10, taken_at=1.02),
+    line("trained", 3.0, 2, 0, cycle=1, tokens=30, taken_at=1.02),
+    line("returned", 3.50, 5, 0, tokens=70, returned_at=3.50),  # version 0, back after the take that was its last
+    # max_staleness 0: the next collect drops the version-0 groups left, before its take
+    line("dropped", 3.9, 3, 0, tokens=50, returned_at=1.02),
+    line("dropped", 3.9, 5, 0, tokens=70, returned_at=3.50),
+    line("trained", 5.0, 4, 1, cycle=2, tokens=20, taken_at=4.0),
+]
+
+
+def test_batches_are_in_cycle_order_with_their_versions_and_tokens():
+    bs = gt.batches(TRACE)
+    assert [(b["cycle"], b["taken_at"], b["groups"], dict(b["versions"]), b["tokens"]) for b in bs] == [
+        (1, 1.02, 2, {0: 2}, 40), (2, 4.0, 1, {1: 1}, 20)]
+
+
+def test_a_dropped_group_is_left_at_a_take_or_back_after_it():
+    assert gt.dropped_why(TRACE) == {"left at a take": 1, "back after its take": 1}
+
+
+def test_groups_back_together_are_one_burst():
+    assert gt.bursts(TRACE) == [3]
+    report = gt.report(TRACE)
+    assert "| 1 | 0.02 | 2 | 0: 2 | 20 |" in report  # taken at: seconds from the trace's first line
+    assert "dropped: back after its take 1, left at a take 1" in report
