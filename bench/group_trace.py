@@ -15,20 +15,26 @@ import argparse
 import json
 from collections import Counter
 from pathlib import Path
+from statistics import median
 
 BURST_S = 0.05  # groups back within this of the one before them: one burst (the engine finished them together)
 
 
 def batches(lines: list[dict]) -> list[dict]:
-    """The batches trained, in order: {cycle, taken_at, groups, versions, mean_tokens}."""
+    """The batches trained, in order: {cycle, taken_at, groups, versions, tokens, sampling_s (each group's, from its
+    hand-out to its return)}."""
+    back = {(g["epoch"], g["index"], g["version"]): g for g in lines if g["event"] == "returned"}
     by = {}
     for g in lines:
         if g["event"] == "trained":
             b = by.setdefault(g["cycle"], {"cycle": g["cycle"], "taken_at": g.get("taken_at"), "groups": 0,
-                                           "versions": Counter(), "tokens": 0})
+                                           "versions": Counter(), "tokens": 0, "sampling_s": []})
             b["groups"] += 1
             b["versions"][g["version"]] += 1
             b["tokens"] += g.get("tokens") or 0
+            r = back.get((g["epoch"], g["index"], g["version"]), {})
+            if r.get("handed_out_at") is not None and r.get("returned_at") is not None:
+                b["sampling_s"].append(r["returned_at"] - r["handed_out_at"])
     return [by[c] for c in sorted(by)]
 
 
@@ -65,11 +71,14 @@ def bursts(lines: list[dict]) -> list[int]:
 def report(lines: list[dict]) -> str:
     bs = batches(lines)
     t0 = min(g["time"] for g in lines)
-    rows = ["| cycle | taken at (s) | groups | versions | mean tokens a group |", "| --: | --: | --: | --- | --: |"]
+    rows = ["| cycle | taken at (s) | groups | versions | mean tokens a group | hand-out to return (s), median / max |",
+            "| --: | --: | --: | --- | --: | --: |"]
     for b in bs:
         at = "" if b["taken_at"] is None else f"{b['taken_at'] - t0:.2f}"
         versions = ", ".join(f"{v}: {n}" for v, n in sorted(b["versions"].items()))
-        rows.append(f"| {b['cycle']} | {at} | {b['groups']} | {versions} | {b['tokens'] / max(b['groups'], 1):.0f} |")
+        took = f"{median(b['sampling_s']):.2f} / {max(b['sampling_s']):.2f}" if b["sampling_s"] else ""
+        rows.append(f"| {b['cycle']} | {at} | {b['groups']} | {versions} | {b['tokens'] / max(b['groups'], 1):.0f} "
+                    f"| {took} |")
     events = Counter(g["event"] for g in lines)
     why = dropped_why(lines)
     burst = bursts(lines)

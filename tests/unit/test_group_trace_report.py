@@ -3,6 +3,8 @@ the bursts of groups that came back together."""
 
 import importlib.util
 
+import pytest
+
 from tests.helpers import ROOT
 
 spec = importlib.util.spec_from_file_location("group_trace", ROOT / "bench" / "group_trace.py")
@@ -15,10 +17,10 @@ def line(event, t, index, version, **more):
 
 
 TRACE = [
-    line("returned", 1.00, 1, 0, tokens=10, returned_at=1.00),
-    line("returned", 1.01, 2, 0, tokens=30, returned_at=1.01),
+    line("returned", 1.00, 1, 0, tokens=10, returned_at=1.00, handed_out_at=0.5),
+    line("returned", 1.01, 2, 0, tokens=30, returned_at=1.01, handed_out_at=0.5),
     line("returned", 1.02, 3, 0, tokens=50, returned_at=1.02),  # a burst of three, one more than the batch took
-    line("returned", 2.00, 4, 1, tokens=20, returned_at=2.00),
+    line("returned", 2.00, 4, 1, tokens=20, returned_at=2.00, handed_out_at=0.8),
     line("trained", 3.0, 1, 0, cycle=1, tokens=10, taken_at=1.02),
     line("trained", 3.0, 2, 0, cycle=1, tokens=30, taken_at=1.02),
     line("returned", 3.50, 5, 0, tokens=70, returned_at=3.50),  # version 0, back after the take that was its last
@@ -33,6 +35,7 @@ def test_batches_are_in_cycle_order_with_their_versions_and_tokens():
     bs = gt.batches(TRACE)
     assert [(b["cycle"], b["taken_at"], b["groups"], dict(b["versions"]), b["tokens"]) for b in bs] == [
         (1, 1.02, 2, {0: 2}, 40), (2, 4.0, 1, {1: 1}, 20)]
+    assert bs[0]["sampling_s"] == pytest.approx([0.5, 0.51]) and bs[1]["sampling_s"] == pytest.approx([1.2])
 
 
 def test_a_dropped_group_is_left_at_a_take_or_back_after_it():
@@ -42,5 +45,5 @@ def test_a_dropped_group_is_left_at_a_take_or_back_after_it():
 def test_groups_back_together_are_one_burst():
     assert gt.bursts(TRACE) == [3]
     report = gt.report(TRACE)
-    assert "| 1 | 0.02 | 2 | 0: 2 | 20 |" in report  # taken at: seconds from the trace's first line
+    assert "| 1 | 0.02 | 2 | 0: 2 | 20 | 0.51 / 0.51 |" in report  # taken at: seconds from the trace's first line
     assert "dropped: back after its take 1, left at a take 1" in report
