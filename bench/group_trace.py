@@ -12,10 +12,11 @@ for), or it came back after it ("back after its take": the take's stop did not r
 from __future__ import annotations
 
 import argparse
-import json
 from collections import Counter
 from pathlib import Path
 from statistics import median
+
+from tandem.services.orchestrator.run_log import read_lines
 
 BURST_S = 0.05  # groups back within this of the one before them: one burst (the engine finished them together)
 
@@ -88,14 +89,10 @@ def report(lines: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def read(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("trace", type=Path)
-    print(report(read(ap.parse_args().trace)))
+    print(report(read_lines(ap.parse_args().trace)))  # a line a crash cut short left out
 
 
 if __name__ == "__main__":
