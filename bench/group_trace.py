@@ -1,5 +1,6 @@
 """What became of a run's groups, from its group_trace.jsonl (logging.group_trace; the GPU bench keeps one beside each
-Tandem run's JSON as NAME-groups.jsonl): a line per batch, and why each group dropped past the bound was dropped.
+Tandem run's JSON as NAME-groups.jsonl): a line per batch, why each group dropped past the bound was dropped, and
+what became of each prompt (trained at its first try, after being sampled again, or past the bound twice).
 
   python3 bench/group_trace.py RUN-groups.jsonl
 
@@ -69,6 +70,33 @@ def bursts(lines: list[dict]) -> list[int]:
     return sizes + ([run] if run > 1 else [])
 
 
+def prompt_outcomes(lines: list[dict]) -> Counter:
+    """Each prompt (epoch, index) of the trace by what became of it: trained at its first try, trained after its group
+    went past the bound (stopped or dropped) and the prompt was sampled again, past the bound twice (the second time
+    recorded as not trained), left at the run's end (stopped by the last batch's take), or still out at the end."""
+    seen: dict = {}
+    for g in lines:
+        if g["event"] in ("stopped", "dropped", "trained", "left"):
+            seen.setdefault((g["epoch"], g["index"]), []).append(g["event"])
+    out = Counter()
+    for events in seen.values():
+        past = sum(e in ("stopped", "dropped") for e in events)
+        if "trained" in events:
+            out["trained at the first try" if not past else "trained after being sampled again"] += 1
+        elif past >= 2:
+            out["past the bound twice"] += 1
+        elif "left" in events:
+            out["left at the run's end"] += 1
+        else:
+            out["past the bound once, out at the end"] += 1
+    return out
+
+
+def stopped_after(lines: list[dict]) -> list[float]:
+    """Seconds from each stopped group's hand-out to its stop: the window the staleness bound gave it."""
+    return [g["time"] - g["handed_out_at"] for g in lines if g["event"] == "stopped" and g.get("handed_out_at")]
+
+
 def report(lines: list[dict]) -> str:
     bs = batches(lines)
     t0 = min(g["time"] for g in lines)
@@ -85,7 +113,11 @@ def report(lines: list[dict]) -> str:
     burst = bursts(lines)
     rows += ["", "events: " + ", ".join(f"{k} {v}" for k, v in sorted(events.items())),
              "dropped: " + (", ".join(f"{k} {v}" for k, v in sorted(why.items())) or "none"),
-             f"bursts (back within {BURST_S * 1000:.0f} ms of each other): {len(burst)}, sizes {sorted(burst)}"]
+             f"bursts (back within {BURST_S * 1000:.0f} ms of each other): {len(burst)}, sizes {sorted(burst)}",
+             "prompts: " + ", ".join(f"{k} {v}" for k, v in sorted(prompt_outcomes(lines).items()))]
+    if windows := stopped_after(lines):
+        rows.append(f"stopped after (s, from hand-out): median {median(windows):.1f}, min {min(windows):.1f}, "
+                    f"max {max(windows):.1f}")
     return "\n".join(rows)
 
 

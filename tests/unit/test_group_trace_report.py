@@ -47,3 +47,19 @@ def test_groups_back_together_are_one_burst():
     report = gt.report(TRACE)
     assert "| 1 | 0.02 | 2 | 0: 2 | 20 | 0.51 / 0.51 |" in report  # taken at: seconds from the trace's first line
     assert "dropped: back after its take 1, left at a take 1" in report
+
+
+def test_each_prompt_is_told_by_what_became_of_it():
+    trace = TRACE + [
+        line("stopped", 6.0, 6, 1, handed_out_at=1.0),  # past the bound, sampled again, past it again: recorded
+        line("stopped", 9.0, 6, 2, handed_out_at=6.5),
+        line("stopped", 6.0, 7, 1, handed_out_at=2.0),  # past the bound once, then trained
+        line("trained", 9.5, 7, 2, cycle=3, tokens=5, taken_at=9.0),
+        line("left", 10.0, 8, 3, handed_out_at=9.2),  # stopped by the run's last take
+    ]
+    assert gt.prompt_outcomes(trace) == {"trained at the first try": 3, "trained after being sampled again": 1,
+                                         "past the bound twice": 1, "left at the run's end": 1,
+                                         "past the bound once, out at the end": 2}
+    assert gt.stopped_after(trace) == pytest.approx([5.0, 2.5, 4.0])
+    report = gt.report(trace)
+    assert "past the bound twice 1" in report and "stopped after (s, from hand-out): median 4.0, min 2.5, max 5.0" in report
