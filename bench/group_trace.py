@@ -1,6 +1,8 @@
 """What became of a run's groups, from its group_trace.jsonl (logging.group_trace; the GPU bench keeps one beside each
 Tandem run's JSON as NAME-groups.jsonl): a line per batch, why each group dropped past the bound was dropped, and
-what became of each prompt (trained at its first try, after being sampled again, or past the bound twice).
+what became of each prompt (trained at its first try, after being sampled again, or past the bound twice), and what
+became of the groups in flight at each take (at max_staleness 1, the outstanding prompts the bound lets out are two
+batches; those held by groups the bound will stop are not sampling the next batch).
 
   python3 bench/group_trace.py RUN-groups.jsonl
 
@@ -30,14 +32,49 @@ def batches(lines: list[dict]) -> list[dict]:
     for g in lines:
         if g["event"] == "trained":
             b = by.setdefault(g["cycle"], {"cycle": g["cycle"], "taken_at": g.get("taken_at"), "groups": 0,
-                                           "versions": Counter(), "tokens": 0, "sampling_s": []})
+                                           "versions": Counter(), "tokens": 0, "sampling_s": [], "handed_out": []})
             b["groups"] += 1
             b["versions"][g["version"]] += 1
             b["tokens"] += g.get("tokens") or 0
             r = back.get((g["epoch"], g["index"], g["version"]), {})
             if r.get("handed_out_at") is not None and r.get("returned_at") is not None:
                 b["sampling_s"].append(r["returned_at"] - r["handed_out_at"])
-    return [by[c] for c in sorted(by)]
+                b["handed_out"].append(r["handed_out_at"])
+    out = [by[c] for c in sorted(by)]
+    for prev, b in zip(out, out[1:]):  # its groups handed out after the take before it (None: times not known)
+        b["handed_after_last_take"] = None if prev["taken_at"] is None else sum(
+            h > prev["taken_at"] for h in b["handed_out"])
+    return out
+
+
+def attempts(lines: list[dict]) -> list[tuple]:
+    """Each hand-out of a prompt whose end the trace has: (handed out at, ended at, how, (epoch, index, version)),
+    how: 'returned', 'stopped' or 'left'."""
+    out = []
+    for g in lines:
+        at = g.get("handed_out_at")
+        if at is None:
+            continue
+        if g["event"] == "returned" and g.get("returned_at") is not None:
+            out.append((at, g["returned_at"], "returned", (g["epoch"], g["index"], g["version"])))
+        elif g["event"] in ("stopped", "left"):
+            out.append((at, g["time"], g["event"], (g["epoch"], g["index"], g["version"])))
+    return out
+
+
+def in_flight_at_takes(lines: list[dict]) -> list[tuple[int, Counter]]:
+    """For each take: the groups in flight at that moment by what became of them (trained, dropped, stopped, left,
+    or 'buffered at the end')."""
+    fate = {(g["epoch"], g["index"], g["version"]): g["event"] for g in lines if g["event"] in ("trained", "dropped")}
+    runs = attempts(lines)
+    out = []
+    for b in batches(lines):
+        if b["taken_at"] is None:
+            continue
+        t = b["taken_at"]
+        out.append((b["cycle"], Counter(fate.get(key, "buffered at the end") if how == "returned" else how
+                                        for at, end, how, key in runs if at <= t < end)))
+    return out
 
 
 def dropped_why(lines: list[dict]) -> Counter:
@@ -100,14 +137,18 @@ def stopped_after(lines: list[dict]) -> list[float]:
 def report(lines: list[dict]) -> str:
     bs = batches(lines)
     t0 = min(g["time"] for g in lines)
-    rows = ["| cycle | taken at (s) | groups | versions | mean tokens a group | hand-out to return (s), median / max |",
-            "| --: | --: | --: | --- | --: | --: |"]
+    flight = dict(in_flight_at_takes(lines))
+    rows = ["| cycle | taken at (s) | groups | versions | mean tokens a group | hand-out to return (s), median / max "
+            "| handed out after the take before | in flight at the take, by fate |",
+            "| --: | --: | --: | --- | --: | --: | --: | --- |"]
     for b in bs:
         at = "" if b["taken_at"] is None else f"{b['taken_at'] - t0:.2f}"
         versions = ", ".join(f"{v}: {n}" for v, n in sorted(b["versions"].items()))
         took = f"{median(b['sampling_s']):.2f} / {max(b['sampling_s']):.2f}" if b["sampling_s"] else ""
+        after = b.get("handed_after_last_take")
+        fates = ", ".join(f"{k} {v}" for k, v in sorted(flight.get(b["cycle"], Counter()).items()))
         rows.append(f"| {b['cycle']} | {at} | {b['groups']} | {versions} | {b['tokens'] / max(b['groups'], 1):.0f} "
-                    f"| {took} |")
+                    f"| {took} | {'' if after is None else after} | {fates} |")
     events = Counter(g["event"] for g in lines)
     why = dropped_why(lines)
     burst = bursts(lines)

@@ -63,3 +63,20 @@ def test_each_prompt_is_told_by_what_became_of_it():
     assert gt.stopped_after(trace) == pytest.approx([5.0, 2.5, 4.0])
     report = gt.report(trace)
     assert "past the bound twice 1" in report and "stopped after (s, from hand-out): median 4.0, min 2.5, max 5.0" in report
+
+
+def test_the_groups_in_flight_at_a_take_are_told_by_their_fate():
+    trace = [
+        line("returned", 1.0, 1, 0, tokens=10, handed_out_at=0.0, returned_at=1.0),
+        line("returned", 1.5, 2, 0, tokens=10, handed_out_at=0.0, returned_at=1.5),
+        line("trained", 3.0, 1, 0, cycle=1, tokens=10, taken_at=1.2),  # in flight at 1.2: prompts 2, 3 and 4
+        line("stopped", 4.0, 3, 0, handed_out_at=0.0),  # held its place through the take, then stopped
+        line("returned", 4.5, 5, 1, tokens=10, handed_out_at=3.1, returned_at=4.5),  # out after the take
+        line("left", 6.0, 4, 0, handed_out_at=0.5),
+        line("trained", 6.0, 2, 0, cycle=2, tokens=10, taken_at=5.0),
+        line("trained", 6.0, 5, 1, cycle=2, tokens=10, taken_at=5.0),
+    ]
+    assert gt.in_flight_at_takes(trace) == [(1, {"trained": 1, "stopped": 1, "left": 1}), (2, {"left": 1})]
+    bs = gt.batches(trace)
+    assert "handed_after_last_take" not in bs[0] and bs[1]["handed_after_last_take"] == 1  # prompt 5, not prompt 2
+    assert "| 2 | 4.00 | 2 | 0: 1, 1: 1 | 10 | 1.45 / 1.50 | 1 | left 1 |" in gt.report(trace)
