@@ -21,7 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from tandem.core.compat import rollout_env_vars
-from tandem.core.engine_memory import SHARE_WITHOUT_SHAPE, auto_engine, engine_kv_bytes, prompts_in_flight
+from tandem.core.engine_memory import (
+    SHARE_WITHOUT_SHAPE,
+    auto_engine,
+    engine_kv_bytes,
+    engine_max_num_seqs,
+    prompts_in_flight,
+)
 from tandem.core.protocol import (
     PromptItem,
     RolloutFailure,
@@ -62,7 +68,7 @@ def build_engine(cfg, seed: int):
         return VLLMEngine(m.local_dir(), dtype=m.dtype, lora=m.lora, seed=seed,
                           max_model_len=cfg.generation.max_prompt_length + cfg.generation.max_completion_length,
                           max_loras=cfg.cluster.max_staleness + 2, enforce_eager=cfg.cluster.vllm_enforce_eager,
-                          max_num_seqs=cfg.cluster.vllm_max_num_seqs, merge_adapter=cfg.cluster.vllm_merge_adapter,
+                          max_num_seqs=engine_max_num_seqs(cfg), merge_adapter=cfg.cluster.vllm_merge_adapter,
                           kv_cache_bytes=cpu_kv_cache_bytes(cfg), **gpu_memory_args(cfg))
     from tandem.rollout.engines.hf_engine import HFEngine
 

@@ -72,7 +72,8 @@ def say(line: str) -> None:
     cycle's result (the drivers run Ray with log_to_driver off: the actors' own output stays in their logs)."""
     import sys
 
-    print(line, file=sys.stderr, flush=True)
+    sys.stderr.write(line + "\n")  # one write: Ray's log thread, printing to the same stream, cannot split it
+    sys.stderr.flush()
     NOTICES.append(line)
 
 

@@ -295,7 +295,7 @@ class ClusterConfig(_Section):
         "only): a batch takes the groups that finish first, so with a long tail of lengths these stand in for the "
         "groups the bound stops (over-sampling: more out than a batch trains, the first back taken); the groups not "
         "taken in time are stopped and recorded as the bound's (`count/stale_stopped`), and training leans further "
-        "to short completions")
+        "to short completions. The engine's KV cache stays the plateau's: past its sequences vLLM queues them")
     vllm_enforce_eager: bool | None = Field(
         None, description="vLLM without CUDA graphs; null = eager on CPU, CUDA graphs on GPU")
     vllm_gpu_memory_utilization: float | Literal["auto"] = Field(

@@ -61,13 +61,30 @@ def episodes_call_tools(cfg) -> bool:
 
 def sequences_in_engine(cfg, default_max: int | None = None) -> int:
     """The most sequences one engine runs at once: the controller's prompts in flight, and never more than
-    the prompts it hands out ahead (`prompts_ahead`), times the group size; with tools, no more than the plateau's
-    (between turns an episode holds none); no more than `vllm_max_num_seqs` (or `default_max` where that is not set;
-    vLLM queues the rest)."""
-    held = min(prompts_in_flight(cfg), plateau_prompts(cfg)) if episodes_call_tools(cfg) else prompts_in_flight(cfg)
+    the prompts it hands out ahead (`prompts_ahead`), times the group size; with tools, or with over-sampled prompts,
+    no more than the plateau's (between turns an episode holds none; the over-sampled prompts stand in for groups
+    whose other sequences have finished, and past the plateau vLLM queues them: `engine_max_num_seqs`); no more than
+    `vllm_max_num_seqs` (or `default_max` where that is not set; vLLM queues the rest)."""
+    c = cfg.cluster
+    if episodes_call_tools(cfg) or (c.rollout_oversample_prompts and c.rollout_prompts_in_flight is None):
+        held = min(prompts_in_flight(cfg), plateau_prompts(cfg))
+    else:
+        held = prompts_in_flight(cfg)
     seqs = min(held, prompts_ahead(cfg)) * cfg.batch.num_generations
-    m = cfg.cluster.vllm_max_num_seqs or default_max
+    m = c.vllm_max_num_seqs or default_max
     return min(seqs, m) if m else seqs
+
+
+def engine_max_num_seqs(cfg) -> int | None:
+    """vLLM's max_num_seqs: `vllm_max_num_seqs` as set; with over-sampled prompts, the sequences its KV cache is
+    sized for (`sequences_in_engine`), so that the prompts beyond them wait in vLLM's queue rather than take
+    blocks a running sequence will need (a preemption); else None (vLLM's default). At the 1.5B long tail the engine
+    ran 206-222 sequences a step with 8 or 16 prompts over-sampled, under the plateau's 256, while a KV cache sized
+    for all of them at full length took 3.5-7 GiB more (bench/results/e2e_gpu_scale.md, the df90fa1 lease)."""
+    c = cfg.cluster
+    if c.vllm_max_num_seqs or not c.rollout_oversample_prompts or c.rollout_prompts_in_flight is not None:
+        return c.vllm_max_num_seqs
+    return sequences_in_engine(cfg)
 
 
 def head_dim(mc: dict) -> int:

@@ -46,7 +46,8 @@ def run_job_script(module: str, *args: str, timeout: float = 400) -> tuple[dict,
 
     p = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
                        timeout=timeout)
-    said = [ln for ln in p.stderr.splitlines() + p.stdout.splitlines() if ln.startswith("tandem: ")]
+    # from "tandem: " on: a line Ray's log thread wrote without its end may sit before it on the same line
+    said = [ln[ln.index("tandem: "):] for ln in p.stderr.splitlines() + p.stdout.splitlines() if "tandem: " in ln]
     result = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert p.returncode == 0 and result, p.stderr[-4000:]
     return json.loads(result[len("RESULT "):]), said

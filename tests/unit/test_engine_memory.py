@@ -9,6 +9,7 @@ from tandem.core.engine_memory import (
     GIB,
     engine_bytes,
     engine_kv_bytes,
+    engine_max_num_seqs,
     kv_bytes_per_token,
     prompts_in_flight,
     sequences_in_engine,
@@ -98,11 +99,17 @@ def test_a_job_with_tools_hands_out_what_the_staleness_bound_allows_and_sizes_th
     assert sequences_in_engine(tools(max_staleness=4, rollout_prompts_in_flight=4)) == 32
 
 
-def test_over_sampled_prompts_go_out_beside_the_plateau_and_the_engine_holds_them():
-    over = job(max_staleness=1, rollout_oversample_prompts=8)
+def test_over_sampled_prompts_go_out_beside_the_plateau_and_wait_in_the_engine_past_it():
+    over, plain = job(max_staleness=1, rollout_oversample_prompts=8), job(max_staleness=1)
     assert prompts_in_flight(over) == 32 + 8  # the plateau's 256 // 8, and the 8 beyond the bound
-    assert sequences_in_engine(over) == (2 * 16 + 8) * 8  # k + 1 cycles of 16 prompts and 8 more, 8 completions each
-    assert engine_kv_bytes(over, QWEN_1_5B) == engine_kv_bytes(job(max_staleness=1), QWEN_1_5B) * 40 // 32
+    # the KV cache stays the plateau's: vLLM runs at most its 256 sequences and queues the rest (no preemption)
+    assert sequences_in_engine(over) == sequences_in_engine(plain) == 256
+    assert engine_kv_bytes(over, QWEN_1_5B) == engine_kv_bytes(plain, QWEN_1_5B)
+    assert (engine_max_num_seqs(over), engine_max_num_seqs(plain)) == (256, None)  # None: vLLM's own default
+    # set by hand, the user's numbers hold: prompts in flight as set (the cache for them), max_num_seqs as set
+    by_hand = job(max_staleness=1, rollout_oversample_prompts=8, rollout_prompts_in_flight=40)
+    assert sequences_in_engine(by_hand) == 40 * 8 and engine_max_num_seqs(by_hand) is None
+    assert engine_max_num_seqs(job(max_staleness=1, rollout_oversample_prompts=8, vllm_max_num_seqs=128)) == 128
 
 
 def test_a_learner_beside_an_auto_engine_counts_what_the_engine_will_take():
