@@ -42,6 +42,39 @@ def test_an_auto_engine_holds_what_the_controller_keeps_in_it_within_what_the_le
         engine.close()
 
 
+def test_over_sampled_prompts_wait_in_vllms_queue_past_the_plateau_and_leave_the_cache_as_it_was(tiny_model):
+    """rollout_oversample_prompts: vLLM's max_num_seqs is the plateau's sequences, the KV cache the same as without
+    over-sampling, and a request for more sequences than that completes every one (queued, not preempted away)."""
+    from tandem.core.checks import language_model_config
+    from tandem.core.config import JobConfig
+    from tandem.core.engine_memory import engine_kv_bytes, plateau_prompts, sequences_in_engine
+    from tandem.rollout.engines.base import Sampling
+    from tandem.rollout.worker import build_engine, gpu_memory_args
+
+    def job(**cluster):
+        return JobConfig.from_dict({
+            "model": {"path": tiny_model, "dtype": "bfloat16", "lora": {"r": 8}}, "data": {"path": "d.jsonl"},
+            "rewards": ["r:f"], "generation": {"max_prompt_length": 32, "max_completion_length": 96},
+            "batch": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_generations": 8},
+            "cluster": {"rollout_resources": {"num_gpus": 1}, "vllm_enforce_eager": True, "max_staleness": 1,
+                        "vllm_max_num_seqs": None, **cluster}})
+
+    over, plain = job(rollout_oversample_prompts=16), job()
+    mc = language_model_config(tiny_model)
+    assert engine_kv_bytes(over, mc) == engine_kv_bytes(plain, mc)
+    assert gpu_memory_args(over) == gpu_memory_args(plain)
+    torch.cuda.empty_cache()
+    engine = build_engine(over, seed=0)
+    try:
+        seqs = sequences_in_engine(over)
+        assert engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs == seqs == plateau_prompts(over) * 8
+        prompts = [np.array([1, 2, 3 + i], dtype=np.int32) for i in range(seqs // 8 + 16)]  # 16 groups past it
+        out = engine.generate(prompts, Sampling(n=8, max_tokens=16, seed=0))
+        assert len(out) == len(prompts) and all(len(g) == 8 and all(len(c.tokens) >= 1 for c in g) for g in out)
+    finally:
+        engine.close()
+
+
 def colocated_job(tiny_model, share: float):
     """A bf16 LoRA job on the tiny model, its engine in the learner's process (vllm_mode colocate) at `share` of the
     GPU."""
