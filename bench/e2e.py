@@ -490,7 +490,8 @@ def actor_nodes(ray, ctl) -> dict:
 
 
 CYCLE_KEYS = ("step", "generate_wait_s", "train_s", "publish_s", "cycle_s", "rollout_busy_s", "rollout/batch_sampling_s",
-              "rollout/group_sampling_s", "rollout/group_buffered_s", "learner/time/forwards_s",
+              "rollout/group_sampling_s", "rollout/group_buffered_s", "rollout/sampled_ahead_frac",
+              "learner/time/forwards_s",
               "prompts_in_flight", "queue_depth", "count/batches_trained_ahead", "count/stale_dropped",
               "count/stale_stopped", "count/stale_failed", "count/stale_dropped_tokens", "rollout/stale_waste_frac",
               "rollout/engine_steps_per_s", "rollout/sequences_per_step",

@@ -113,7 +113,7 @@ class Progress:
     """Where the run is: generation cycles done and the policy version served (saved), its length (from the
     job and the data), the last publish's latency, and the batch training ahead of the cycle count, if any."""
 
-    TRANSIENT: ClassVar = ("total_cycles", "total_steps", "publish_latency_s", "training", "all_taken")
+    TRANSIENT: ClassVar = ("total_cycles", "total_steps", "publish_latency_s", "training", "all_taken", "last_take")
     cycle: int = 0
     version: int = 0
     total_cycles: int = 0
@@ -121,6 +121,7 @@ class Progress:
     publish_latency_s: float = 0.0  # from the adapter's send to every worker serving it
     training: Training | None = None  # the next cycle's batch, training ahead of it (never saved: a save drains it)
     all_taken: bool = False  # the run's last batch is taken: what is still sampling is left for a resume
+    last_take: float | None = None  # when the last batch whose metrics were written was taken (run_log.sampling_times)
 
     def state(self) -> dict:
         return {"cycle": self.cycle, "version": self.version}
@@ -571,8 +572,10 @@ class Controller:
             **rollout_rates(before, self._rollout_stats()),
             **{f"count/{k}": v for k, v in self.counters.items()},
             **(sampled if self.cfg.grpo.dynamic_sampling else {}),
-            **episode_metrics([m.get("episodes") for m, _ in batch]), **sampling_times([m for m, _ in batch]),
+            **episode_metrics([m.get("episodes") for m, _ in batch]),
+            **sampling_times([m for m, _ in batch], self.progress.last_take),
         }
+        self.progress.last_take = max((m["taken_at"] for m, _ in batch if m.get("taken_at")), default=None)
         return [dict(s, **extra) for s in steps]
 
     def _record(self, steps: list[dict], saving: bool) -> str | None:

@@ -58,17 +58,22 @@ def rollout_rates(before: dict, after: dict) -> dict:
     return out
 
 
-def sampling_times(metas: list[dict]) -> dict:
+def sampling_times(metas: list[dict], last_take: float | None = None) -> dict:
     """How long a batch's groups took from their hand-out to their return to the controller: a group's (the median
     over the batch), and the batch's, from its first hand-out to its last return; and how long a group waited in the
     buffer from its return to the batch's take (the median), holding a place of the staleness bound meanwhile.
     Beside the cycle's split they say whether a step waits on the engine's speed or on when the prompts went out
-    (docs/evaluation-and-metrics.md). Groups without the times are left out."""
+    (docs/evaluation-and-metrics.md). last_take: when the batch before this one was taken; the share of this batch's
+    groups handed out before it (`rollout/sampled_ahead_frac`) is how much of it was sampled while that batch trained:
+    at max_staleness >= 1 near 0 means the batch was sampled after the training, not beside it. Groups without the
+    times are left out."""
     spans = [(m["handed_out_at"], m["returned_at"]) for m in metas if m.get("handed_out_at") and m.get("returned_at")]
     if not spans:
         return {}
     out = {"rollout/group_sampling_s": statistics.median(b - a for a, b in spans),
            "rollout/batch_sampling_s": max(b for _, b in spans) - min(a for a, _ in spans)}
+    if last_take is not None:
+        out["rollout/sampled_ahead_frac"] = sum(a < last_take for a, _ in spans) / len(spans)
     if waits := [m["taken_at"] - m["returned_at"] for m in metas if m.get("returned_at") and m.get("taken_at")]:
         out["rollout/group_buffered_s"] = statistics.median(waits)
     return out

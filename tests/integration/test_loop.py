@@ -196,6 +196,16 @@ def test_the_runs_last_batch_takes_what_comes_back_first_and_leaves_the_rest_to_
     assert all(returned[(g["epoch"], g["index"], g["version"])] <= g["time"] for g in trace if g["event"] == "trained")
     assert {(g["index"], g["epoch"]) for g in trace if g["event"] == "left"} <= set(left)
     assert not {g["event"] for g in trace} & {"stopped", "dropped"}
+    # rollout/sampled_ahead_frac against the trace: each batch's groups handed out before the batch before was taken
+    takes = {g["cycle"]: g["taken_at"] for g in trace if g["event"] == "trained"}
+    out_at = {(g["epoch"], g["index"], g["version"]): g["handed_out_at"] for g in trace if g["event"] == "returned"}
+    lines = {x["cycle"]: x for x in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
+    assert "rollout/sampled_ahead_frac" not in lines[1]
+    for c in (2, 3):
+        mine = [out_at[(g["epoch"], g["index"], g["version"])] < takes[c - 1]
+                for g in trace if g["event"] == "trained" and g["cycle"] == c]
+        assert lines[c]["rollout/sampled_ahead_frac"] == pytest.approx(sum(mine) / len(mine)), (c, lines[c])
+    assert lines[2]["rollout/sampled_ahead_frac"] == 1.0  # k = 1: the second batch went out with the first
     cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": True}),
                                  "batch": cfg.batch.model_copy(update={"max_steps": 4})})
     b = started(Controller(cfg))

@@ -187,6 +187,10 @@ def test_sampling_times_are_a_groups_median_and_the_batch_from_first_hand_out_to
     assert t["rollout/group_buffered_s"] == 26.0  # waits 26, 27, 3
     assert "rollout/group_buffered_s" not in sampling_times([dict(metas[0], taken_at=None)])  # not taken yet
     assert sampling_times([{"version": 3}]) == {} and sampling_times([]) == {}
+    # the batch before was taken at 105: two of the three were out before it (sampled while it trained)
+    assert sampling_times(metas, last_take=105.0)["rollout/sampled_ahead_frac"] == 2 / 3
+    assert sampling_times(metas, last_take=100.0)["rollout/sampled_ahead_frac"] == 0.0  # out at the take: after it
+    assert "rollout/sampled_ahead_frac" not in t  # the run's first batch (or a resume's): no take before it
 
 
 def test_epoch_record_holds_every_use_once_in_bounded_space():
