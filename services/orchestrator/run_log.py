@@ -12,8 +12,8 @@ from pathlib import Path
 # page; Prometheus scrapes them as ray_<series_name>; deploy/grafana/tandem.json plots them)
 EXPORTED = ("reward", "reward_std", "kl", "clip_ratio/region_mean", "completion_length", "loss", "entropy",
             "publish_latency_s", "queue_depth", "prompts_in_flight", "rollout/gen_tokens_per_s",
-            "rollout/busy_frac", "rollout/stale_waste_frac", "learner/tokens_per_s", "learner/mfu", "version",
-            "eval/reward", "eval/reward_std", "eval/completion_length")
+            "rollout/busy_frac", "rollout/stale_waste_frac", "rollout/sampled_ahead_frac", "learner/tokens_per_s",
+            "learner/mfu", "version", "eval/reward", "eval/reward_std", "eval/completion_length")
 
 
 FLAT_STEPS = 10  # steps in a row without reward variance before the run says so
