@@ -560,6 +560,8 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
         "end_step_s": end_step_s,
         "gen_s_per_step": med("rollout_busy_s"), "train_s_per_step": med("train_s"),
         "batch_sampling_s": med("rollout/batch_sampling_s"),  # a batch's groups, first hand-out to last return
+        # a batch's share of groups handed out before the batch before it was taken: sampled beside that training
+        "sampled_ahead_frac": med("rollout/sampled_ahead_frac"),
         "completions_per_s": wl["prompts"] * wl["num_generations"] * len(rows) / wall,
         # completion tokens trained a second, as the peers' rows count theirs (mean length x completions over the
         # wall); the engine's own per-cycle figure counts a group's tokens in the cycle it finishes, which at
