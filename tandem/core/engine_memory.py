@@ -65,14 +65,19 @@ def sequences_in_engine(cfg, default_max: int | None = None) -> int:
     no more than the plateau's (between turns an episode holds none; the over-sampled prompts stand in for groups
     whose other sequences have finished, and past the plateau vLLM queues them: `engine_max_num_seqs`); no more than
     `vllm_max_num_seqs` (or `default_max` where that is not set; vLLM queues the rest)."""
-    c = cfg.cluster
-    if episodes_call_tools(cfg) or (c.rollout_oversample_prompts and c.rollout_prompts_in_flight is None):
-        held = min(prompts_in_flight(cfg), plateau_prompts(cfg))
-    else:
-        held = prompts_in_flight(cfg)
+    held = prompts_in_flight(cfg)
+    if episodes_call_tools(cfg) or over_sampled_queue(cfg):
+        held = min(held, plateau_prompts(cfg))
     seqs = min(held, prompts_ahead(cfg)) * cfg.batch.num_generations
-    m = c.vllm_max_num_seqs or default_max
+    m = cfg.cluster.vllm_max_num_seqs or default_max
     return min(seqs, m) if m else seqs
+
+
+def over_sampled_queue(cfg) -> bool:
+    """Over-sampled prompts beside the plateau's (`rollout_prompts_in_flight` left to it): past the plateau they wait
+    in vLLM's queue, not in its KV cache."""
+    c = cfg.cluster
+    return bool(c.rollout_oversample_prompts) and c.rollout_prompts_in_flight is None
 
 
 def engine_max_num_seqs(cfg) -> int | None:
@@ -81,9 +86,8 @@ def engine_max_num_seqs(cfg) -> int | None:
     blocks a running sequence will need (a preemption); else None (vLLM's default). At the 1.5B long tail the engine
     ran 206-222 sequences a step with 8 or 16 prompts over-sampled, under the plateau's 256, while a KV cache sized
     for all of them at full length took 3.5-7 GiB more (bench/results/e2e_gpu_scale.md, the df90fa1 lease)."""
-    c = cfg.cluster
-    if c.vllm_max_num_seqs or not c.rollout_oversample_prompts or c.rollout_prompts_in_flight is not None:
-        return c.vllm_max_num_seqs
+    if cfg.cluster.vllm_max_num_seqs or not over_sampled_queue(cfg):
+        return cfg.cluster.vllm_max_num_seqs
     return sequences_in_engine(cfg)
 
 
