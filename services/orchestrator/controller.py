@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from tandem.core.config import JobConfigError
+from tandem.core.engine_memory import oversample_prompts
 from tandem.core.errors import RewardContractError
 from tandem.core.plan import BatchPlan
 from tandem.core.protocol import errors_as_text
@@ -455,9 +456,8 @@ class Controller:
                 return ray.get(refs)[0]
 
     def _wanted(self, training: bool) -> int:
-        c = self.cfg.cluster
-        return prompts_wanted(self.plan.unique_prompts, c.max_staleness, training, self._batches_left(),
-                              c.rollout_oversample_prompts)
+        return prompts_wanted(self.plan.unique_prompts, self.cfg.cluster.max_staleness, training, self._batches_left(),
+                              oversample_prompts(self.cfg))
 
     def _gather(self, want: int, timeout: float, wake: list = ()) -> None:
         """Keep `want` prompts buffered or in flight, take what came back within `timeout` (or until one of `wake`

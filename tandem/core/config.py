@@ -290,12 +290,14 @@ class ClusterConfig(_Section):
         "vllm_max_num_seqs, else 256 sequences on a GPU (128 on a CPU), over num_generations; with tools or an "
         "environment, as many as max_staleness lets out (an episode waiting on a tool holds no sequence in the "
         "engine); max_staleness may keep fewer there (k + 1 batches outstanding at most)")
-    rollout_oversample_prompts: int = Field(
-        0, ge=0, description="prompts handed out beyond the k + 1 batches max_staleness lets out (max_staleness >= 1 "
+    rollout_oversample_prompts: int | Literal["auto"] = Field(
+        0, description="prompts handed out beyond the k + 1 batches max_staleness lets out (max_staleness >= 1 "
         "only): a batch takes the groups that finish first, so with a long tail of lengths these stand in for the "
         "groups the bound stops (over-sampling: more out than a batch trains, the first back taken); the groups not "
         "taken in time are stopped and recorded as the bound's (`count/stale_stopped`), and training leans further "
-        "to short completions. The engine's KV cache stays the plateau's: past its sequences vLLM queues them")
+        "to short completions. The engine's KV cache stays the plateau's: past its sequences vLLM queues them. "
+        "auto = as many as keep the engine's plateau of prompts out while a batch trains (the plateau's prompts less "
+        "max_staleness batches; 0 at max_staleness 0 and with tools)")
     vllm_enforce_eager: bool | None = Field(
         None, description="vLLM without CUDA graphs; null = eager on CPU, CUDA graphs on GPU")
     vllm_gpu_memory_utilization: float | Literal["auto"] = Field(
@@ -338,7 +340,7 @@ class ClusterConfig(_Section):
 
     @model_validator(mode="after")
     def _oversample_needs_a_bound(self) -> ClusterConfig:
-        if self.rollout_oversample_prompts and self.max_staleness == 0:
+        if self.rollout_oversample_prompts not in (0, "auto") and self.max_staleness == 0:
             raise ValueError(f"cluster.rollout_oversample_prompts = {self.rollout_oversample_prompts} with "
                              "cluster.max_staleness = 0: a synchronous cycle trains every group it hands out; "
                              "allowed: 0, or max_staleness >= 1")
@@ -357,6 +359,13 @@ class ClusterConfig(_Section):
     @classmethod
     def _positive_sms(cls, v):
         return positive_auto_or_null("cluster.learner_sm_carveout", v)
+
+    @field_validator("rollout_oversample_prompts")
+    @classmethod
+    def _oversample(cls, v):
+        if v != "auto" and v < 0:
+            raise ValueError(f"cluster.rollout_oversample_prompts = {v}; allowed: an int >= 0 or auto")
+        return v
 
     @field_validator("vllm_gpu_memory_utilization")
     @classmethod

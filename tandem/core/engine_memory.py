@@ -36,14 +36,29 @@ def prompts_in_flight(cfg) -> int:
         return c.rollout_prompts_in_flight
     if episodes_call_tools(cfg):
         return prompts_ahead(cfg)
-    return plateau_prompts(cfg) + c.rollout_oversample_prompts
+    return plateau_prompts(cfg) + oversample_prompts(cfg)
 
 
 def prompts_ahead(cfg) -> int:
     """The most prompts the controller hands out ahead: max_staleness + 1 cycles' unique_prompts, and the
     over-sampled ones (services/orchestrator/pipeline.py)."""
     c = cfg.cluster
-    return BatchPlan.from_config(cfg).unique_prompts * (c.max_staleness + 1) + c.rollout_oversample_prompts
+    return BatchPlan.from_config(cfg).unique_prompts * (c.max_staleness + 1) + oversample_prompts(cfg)
+
+
+def oversample_prompts(cfg) -> int:
+    """Prompts out beyond the staleness bound (`cluster.rollout_oversample_prompts`): as set, or for auto as many as
+    keep the plateau's prompts out while a batch trains. Then the bound lets out max_staleness batches, and at a long
+    tail most of those places are held by groups the bound will stop (at max_staleness 1, 13-16 of a batch's 16 at the
+    1.5B long tail: bench/results/e2e_gpu_scale.md), so the next batch is sampled after the training, not beside it.
+    None at max_staleness 0 (a synchronous cycle trains all it hands out) or with tools (the bound lets out every
+    episode the engine can hold already: `prompts_in_flight`)."""
+    c = cfg.cluster
+    if c.rollout_oversample_prompts != "auto":
+        return c.rollout_oversample_prompts
+    if c.max_staleness == 0 or episodes_call_tools(cfg):
+        return 0
+    return max(0, plateau_prompts(cfg) - BatchPlan.from_config(cfg).unique_prompts * c.max_staleness)
 
 
 def plateau_prompts(cfg) -> int:
@@ -77,7 +92,7 @@ def over_sampled_queue(cfg) -> bool:
     """Over-sampled prompts beside the plateau's (`rollout_prompts_in_flight` left to it): past the plateau they wait
     in vLLM's queue, not in its KV cache."""
     c = cfg.cluster
-    return bool(c.rollout_oversample_prompts) and c.rollout_prompts_in_flight is None
+    return bool(oversample_prompts(cfg)) and c.rollout_prompts_in_flight is None
 
 
 def engine_max_num_seqs(cfg) -> int | None:

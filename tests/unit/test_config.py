@@ -258,3 +258,9 @@ def test_oversampling_needs_a_staleness_bound(job_files):
         load(d)
     d["cluster"]["max_staleness"] = 1
     assert load(d).cluster.rollout_oversample_prompts == 8
+    d["cluster"]["rollout_oversample_prompts"] = -1
+    with pytest.raises(JobConfigError, match=r"cluster.rollout_oversample_prompts = -1; allowed: an int >= 0 or auto"):
+        load(d)
+    # auto is none at max_staleness 0: no error there
+    d["cluster"].update(rollout_oversample_prompts="auto", max_staleness=0)
+    assert load(d).cluster.rollout_oversample_prompts == "auto"

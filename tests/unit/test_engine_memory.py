@@ -11,6 +11,8 @@ from tandem.core.engine_memory import (
     engine_kv_bytes,
     engine_max_num_seqs,
     kv_bytes_per_token,
+    oversample_prompts,
+    prompts_ahead,
     prompts_in_flight,
     sequences_in_engine,
     weight_bytes,
@@ -46,13 +48,13 @@ def test_kv_bytes_per_token_are_what_the_models_cache_holds():
     assert kv_bytes_per_token(model.config.to_dict(), 4) * T == held
 
 
-def job(gpus=1.0, share="auto", **cluster):
+def job(gpus=1.0, share="auto", ga=16, **cluster):
     from tandem.core.config import JobConfig
 
     return JobConfig.from_dict({
         "model": {"path": "m", "dtype": "bfloat16"}, "data": {"path": "d.jsonl"}, "rewards": ["r:f"],
         "generation": {"max_prompt_length": 64, "max_completion_length": 2048},
-        "batch": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 16, "num_generations": 8},
+        "batch": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": ga, "num_generations": 8},
         "cluster": {"vllm_gpu_memory_utilization": share, "rollout_resources": {"num_gpus": gpus}, **cluster}})
 
 
@@ -110,6 +112,26 @@ def test_over_sampled_prompts_go_out_beside_the_plateau_and_wait_in_the_engine_p
     by_hand = job(max_staleness=1, rollout_oversample_prompts=8, rollout_prompts_in_flight=40)
     assert sequences_in_engine(by_hand) == 40 * 8 and engine_max_num_seqs(by_hand) is None
     assert engine_max_num_seqs(job(max_staleness=1, rollout_oversample_prompts=8, vllm_max_num_seqs=128)) == 128
+
+
+def test_auto_over_sampling_keeps_the_plateaus_prompts_out_while_a_batch_trains():
+    # 16 prompts a batch (8 x 16 / 8), the plateau's 32 groups: at k = 1 a training leaves one batch out, so 16 more
+    assert [oversample_prompts(job(max_staleness=k, rollout_oversample_prompts="auto")) for k in (0, 1, 2, 4)] == \
+        [0, 32 - 16, 0, 0]
+    # 64 a batch at 8 x 64: one batch already fills the plateau's 32, nothing beyond
+    big = job(max_staleness=1, rollout_oversample_prompts="auto", ga=64)
+    assert oversample_prompts(big) == 0 and engine_max_num_seqs(big) is None
+    # a plateau of 512 sequences (64 groups) at k = 2: 64 - 2 x 16
+    assert oversample_prompts(job(max_staleness=2, rollout_oversample_prompts="auto", vllm_max_num_seqs=512)) == 32
+    # with tools the bound already lets out every episode the engine holds
+    tools = job(max_staleness=1, rollout_oversample_prompts="auto").model_copy(update={"tools": ["t:add"]})
+    assert oversample_prompts(tools) == 0
+    # what auto sets is what a number sets: the same hand-outs, engine cache and vLLM queue
+    auto, sixteen = job(max_staleness=1, rollout_oversample_prompts="auto"), job(max_staleness=1,
+                                                                                 rollout_oversample_prompts=16)
+    for f in (prompts_in_flight, prompts_ahead, sequences_in_engine, engine_max_num_seqs):
+        assert f(auto) == f(sixteen), f.__name__
+    assert (prompts_ahead(auto), sequences_in_engine(auto), engine_max_num_seqs(auto)) == (48, 256, 256)
 
 
 def test_a_learner_beside_an_auto_engine_counts_what_the_engine_will_take():
