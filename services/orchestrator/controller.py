@@ -520,7 +520,8 @@ class Controller:
         counts)."""
         if not self.source.went_stale(index, epoch, self.version):
             self.counters["stale_failed"] += 1
-            self.failures.too_slow(index, epoch, self.version - version, self.cfg.cluster.max_staleness)
+            self.failures.too_slow(index, epoch, self.version - version, self.cfg.cluster.max_staleness,
+                                   oversample_prompts(self.cfg))
 
     # Publishing waits for no generation: each worker loads the adapter between two engine steps while its requests
     # run on, so every worker serves the new version before the next cycle begins (with max_staleness 0, before any

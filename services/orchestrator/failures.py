@@ -48,11 +48,12 @@ class FailureLog:
         """A prompt whose rollout worker died twice while running it (the second time alone): as reward_error."""
         self._permanent(index, epoch, "worker_died", message)
 
-    def too_slow(self, index: int, epoch: int, lag: int, max_staleness: int) -> None:
+    def too_slow(self, index: int, epoch: int, lag: int, max_staleness: int, oversample: int = 0) -> None:
         """A prompt whose group went past the bound a second time in its epoch (stopped mid-sampling, or back too
         late): recorded as not trained this epoch (TRL's AsyncGRPOTrainer drops such samples and logs it at info level).
         More than a quarter of one epoch's rows (at least 4) stops the run: the bound leaves most of the data
-        untrained."""
+        untrained. oversample: the prompts over-sampled (cluster.rollout_oversample_prompts), whose groups not taken
+        in time are stopped the same way: the refusal names them too."""
         self._record(index, epoch, "stale", f"its group went past the staleness bound a second time, {lag} policy "
                      f"versions behind (cluster.max_staleness = {max_staleness}): it takes longer to sample and score "
                      f"than {max_staleness + 1} cycles; sampled afresh in epoch {epoch + 1}; allowed: a larger "
@@ -60,10 +61,12 @@ class FailureLog:
         # by row: after a resume the source counts a row's stale groups anew, and may record it again
         n = len({f["index"] for f in self.failed if f["reason"] == "stale" and f["epoch"] == epoch})
         if n > max(4, self.rows // 4):
+            fewer = (f", or fewer cluster.rollout_oversample_prompts ({oversample} here: each cycle the groups a "
+                     "batch had no room for are stopped as the bound's)") if oversample else ""
             raise TrainingError(f"{n} prompts of epoch {epoch} went twice past cluster.max_staleness = "
                                 f"{max_staleness} (each in {self.path}): at this bound most of the data is never "
                                 "trained on; allowed: a larger cluster.max_staleness, or a smaller "
-                                "generation.max_completion_length")
+                                f"generation.max_completion_length{fewer}")
 
     def _permanent(self, index: int, epoch: int, reason: str, message: str) -> None:
         self._record(index, epoch, reason, message)

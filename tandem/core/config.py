@@ -297,7 +297,7 @@ class ClusterConfig(_Section):
         "taken in time are stopped and recorded as the bound's (`count/stale_stopped`), and training leans further "
         "to short completions. The engine's KV cache stays the plateau's: past its sequences vLLM queues them. "
         "auto = as many as keep the engine's plateau of prompts out while a batch trains (the plateau's prompts less "
-        "max_staleness batches; 0 at max_staleness 0 and with tools)")
+        "max_staleness batches; 0 at max_staleness 0, with tools, and on a CPU)")
     vllm_enforce_eager: bool | None = Field(
         None, description="vLLM without CUDA graphs; null = eager on CPU, CUDA graphs on GPU")
     vllm_gpu_memory_utilization: float | Literal["auto"] = Field(

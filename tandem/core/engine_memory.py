@@ -51,12 +51,15 @@ def oversample_prompts(cfg) -> int:
     keep the plateau's prompts out while a batch trains. Then the bound lets out max_staleness batches, and at a long
     tail most of those places are held by groups the bound will stop (at max_staleness 1, 13-16 of a batch's 16 at the
     1.5B long tail: bench/results/e2e_gpu_scale.md), so the next batch is sampled after the training, not beside it.
-    None at max_staleness 0 (a synchronous cycle trains all it hands out) or with tools (the bound lets out every
-    episode the engine can hold already: `prompts_in_flight`)."""
+    None at max_staleness 0 (a synchronous cycle trains all it hands out), with tools (the bound lets out every
+    episode the engine can hold already: `prompts_in_flight`), or on a CPU, whose engine has no plateau: each
+    sequence more slows the others, so the over-sampled prompts make every group slower to come back (on this
+    repository's 2-core CPU the cpu_longtail bench at k = 1 with 12 over-sampled stopped 28 groups in four cycles and
+    10 prompts twice: the run refused to go on; bench/results/e2e_gpu_scale.md)."""
     c = cfg.cluster
     if c.rollout_oversample_prompts != "auto":
         return c.rollout_oversample_prompts
-    if c.max_staleness == 0 or episodes_call_tools(cfg):
+    if c.max_staleness == 0 or episodes_call_tools(cfg) or c.rollout_resources.num_gpus == 0:
         return 0
     return max(0, plateau_prompts(cfg) - BatchPlan.from_config(cfg).unique_prompts * c.max_staleness)
 

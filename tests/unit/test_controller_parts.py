@@ -498,3 +498,10 @@ def test_stale_failures_stop_the_run_past_a_quarter_of_one_epoch_and_do_not_coun
                                             r"cluster.max_staleness = 1 .*allowed: a larger cluster.max_staleness"):
         log.too_slow(9, 2, lag=2, max_staleness=1)
     assert [json.loads(x)["reason"] for x in (tmp_path / "f.jsonl").read_text().splitlines()].count("stale") == 14
+    # with prompts over-sampled, the refusal names them as a cause too (their groups not taken are stopped alike)
+    over = FailureLog(tmp_path / "o.jsonl", ["r.py:f"], unique_prompts=2, rows=16)
+    for i in range(4):
+        over.too_slow(i, 0, lag=2, max_staleness=1, oversample=12)
+    with pytest.raises(TrainingError, match=r"smaller generation.max_completion_length, or fewer "
+                                            r"cluster.rollout_oversample_prompts \(12 here"):
+        over.too_slow(4, 0, lag=2, max_staleness=1, oversample=12)

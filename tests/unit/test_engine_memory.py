@@ -123,6 +123,8 @@ def test_auto_over_sampling_keeps_the_plateaus_prompts_out_while_a_batch_trains(
     assert oversample_prompts(big) == 0 and engine_max_num_seqs(big) is None
     # a plateau of 512 sequences (64 groups) at k = 2: 64 - 2 x 16
     assert oversample_prompts(job(max_staleness=2, rollout_oversample_prompts="auto", vllm_max_num_seqs=512)) == 32
+    # a CPU engine has no plateau: none
+    assert oversample_prompts(job(gpus=0, max_staleness=1, rollout_oversample_prompts="auto")) == 0
     # with tools the bound already lets out every episode the engine holds
     tools = job(max_staleness=1, rollout_oversample_prompts="auto").model_copy(update={"tools": ["t:add"]})
     assert oversample_prompts(tools) == 0
