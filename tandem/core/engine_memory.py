@@ -53,9 +53,9 @@ def oversample_prompts(cfg) -> int:
     1.5B long tail: bench/results/e2e_gpu_scale.md), so the next batch is sampled after the training, not beside it.
     None at max_staleness 0 (a synchronous cycle trains all it hands out), with tools (the bound lets out every
     episode the engine can hold already: `prompts_in_flight`), or on a CPU, whose engine has no plateau: each
-    sequence more slows the others, so the over-sampled prompts make every group slower to come back (on this
-    repository's 2-core CPU the cpu_longtail bench at k = 1 with 12 over-sampled stopped 28 groups in four cycles and
-    10 prompts twice: the run refused to go on; bench/results/e2e_gpu_scale.md)."""
+    sequence more slows the others, so the over-sampled prompts make every group slower to come back (on a 2-core
+    CPU the cpu_longtail bench at k = 1 with 12 over-sampled saw 10 of its 32 prompts go twice past the bound within
+    five cycles, and the run refused to go on; with 4, 0.8 x the completions a second: bench/results/pipeline_cpu.md)."""
     c = cfg.cluster
     if c.rollout_oversample_prompts != "auto":
         return c.rollout_oversample_prompts
