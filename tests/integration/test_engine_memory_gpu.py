@@ -43,8 +43,10 @@ def test_an_auto_engine_holds_what_the_controller_keeps_in_it_within_what_the_le
 
 
 def test_over_sampled_prompts_wait_in_vllms_queue_past_the_plateau_and_leave_the_cache_as_it_was(tiny_model):
-    """rollout_oversample_prompts: vLLM's max_num_seqs is the plateau's sequences, the KV cache the same as without
-    over-sampling, and a request for more sequences than that completes every one (queued, not preempted away)."""
+    """rollout_oversample_prompts at a batch whose k + 1 batches already fill the plateau (16 prompts of 8 at k = 1:
+    the plateau's 32): vLLM's max_num_seqs is the plateau's sequences, the KV cache the same as without over-sampling,
+    and a request for more sequences than that completes every one (queued, not preempted away). Below the plateau
+    the over-sampled prompts run and take their cache (tests/unit/test_engine_memory.py)."""
     from tandem.core.checks import language_model_config
     from tandem.core.config import JobConfig
     from tandem.core.engine_memory import engine_kv_bytes, plateau_prompts, sequences_in_engine
@@ -55,11 +57,12 @@ def test_over_sampled_prompts_wait_in_vllms_queue_past_the_plateau_and_leave_the
         return JobConfig.from_dict({
             "model": {"path": tiny_model, "dtype": "bfloat16", "lora": {"r": 8}}, "data": {"path": "d.jsonl"},
             "rewards": ["r:f"], "generation": {"max_prompt_length": 32, "max_completion_length": 96},
-            "batch": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_generations": 8},
+            "batch": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 16, "num_generations": 8},
             "cluster": {"rollout_resources": {"num_gpus": 1}, "vllm_enforce_eager": True, "max_staleness": 1,
                         "vllm_max_num_seqs": None, **cluster}})
 
     over, plain = job(rollout_oversample_prompts=16), job()
+    assert sequences_in_engine(plain) == plateau_prompts(plain) * 8  # the premise: without it, at the plateau
     mc = language_model_config(tiny_model)
     assert engine_kv_bytes(over, mc) == engine_kv_bytes(plain, mc)
     assert gpu_memory_args(over) == gpu_memory_args(plain)

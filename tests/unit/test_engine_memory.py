@@ -108,6 +108,10 @@ def test_over_sampled_prompts_go_out_beside_the_plateau_and_wait_in_the_engine_p
     assert sequences_in_engine(over) == sequences_in_engine(plain) == 256
     assert engine_kv_bytes(over, QWEN_1_5B) == engine_kv_bytes(plain, QWEN_1_5B)
     assert (engine_max_num_seqs(over), engine_max_num_seqs(plain)) == (256, None)  # None: vLLM's own default
+    # a batch of one prompt: k + 1 batches are 2 prompts, far under the plateau, and the 16 over-sampled run beside
+    # them (18 groups, 144 sequences, a cache for them), not queued
+    small, small_plain = job(max_staleness=1, rollout_oversample_prompts=16, ga=1), job(max_staleness=1, ga=1)
+    assert (sequences_in_engine(small_plain), sequences_in_engine(small), engine_max_num_seqs(small)) == (16, 144, 144)
     # set by hand, the user's numbers hold: prompts in flight as set (the cache for them), max_num_seqs as set
     by_hand = job(max_staleness=1, rollout_oversample_prompts=8, rollout_prompts_in_flight=40)
     assert sequences_in_engine(by_hand) == 40 * 8 and engine_max_num_seqs(by_hand) is None
