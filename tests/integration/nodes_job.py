@@ -53,8 +53,14 @@ def main(run_dir: str, model: str) -> None:
             # first, and be sampled again without anyone fetching it)
             while (ref := next((r for m, r in ctl.buffer.groups if m["version"] >= ctl.version), None)) is None:
                 ctl._gather(2 * ctl.plan.unique_prompts, timeout=1.0)
-            where = ray.experimental.get_object_locations([ref])[ref]["node_ids"]
-            victim = next(n for n in rollout_nodes if n.node_id in where)
+            end = time.time() + 30
+            while True:  # the owner learns where an object is a moment after it has it (an empty list before)
+                where = ray.experimental.get_object_locations([ref])[ref]["node_ids"]
+                victim = next((n for n in rollout_nodes if n.node_id in where), None)
+                if victim is not None or time.time() > end:
+                    break
+                time.sleep(0.1)
+            assert victim is not None, f"the group's object is on none of the rollout nodes: {where}"
             cluster.remove_node(victim, allow_graceful=False)
             removed_at = time.time()
         if len(steps) == 3:
