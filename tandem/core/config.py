@@ -343,7 +343,7 @@ class ClusterConfig(_Section):
         if self.rollout_oversample_prompts not in (0, "auto") and self.max_staleness == 0:
             raise ValueError(f"cluster.rollout_oversample_prompts = {self.rollout_oversample_prompts} with "
                              "cluster.max_staleness = 0: a synchronous cycle trains every group it hands out; "
-                             "allowed: 0, or max_staleness >= 1")
+                             "allowed: 0 or auto, or max_staleness >= 1")
         return self
 
     @model_validator(mode="after")

@@ -254,7 +254,7 @@ def test_oversampling_needs_a_staleness_bound(job_files):
     d = copy.deepcopy(job_files)
     d["cluster"] = {**d.get("cluster", {}), "rollout_oversample_prompts": 8}
     with pytest.raises(JobConfigError, match=r"cluster.rollout_oversample_prompts = 8 with cluster.max_staleness = 0"
-                                             r".*allowed: 0, or max_staleness >= 1"):
+                                             r".*allowed: 0 or auto, or max_staleness >= 1"):
         load(d)
     d["cluster"]["max_staleness"] = 1
     assert load(d).cluster.rollout_oversample_prompts == 8
