@@ -40,19 +40,29 @@ def _unbound(*ports: int) -> bool:
     return True
 
 
+_GIVEN: set[int] = set()  # the ports free_port handed out in this process: none is handed out twice
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now, for a listener that starts later (a Ray node's, a test's server). Drawn above
     the ephemeral range where there is room: a port from inside it (a probe socket bound to port 0) may go to any
-    process's outgoing connection before the listener binds it, which then fails with EADDRINUSE."""
+    process's outgoing connection before the listener binds it, which then fails with EADDRINUSE. Never one this
+    process handed out before: a node's ports are drawn together, before any of them listens, and `ray start`
+    refuses two components on one port."""
     import random
 
     above = range(ephemeral_ports().stop, 65536)
     for _ in range(100) if len(above) >= 1000 else ():
-        if _unbound(port := random.choice(above)):
+        if (port := random.choice(above)) not in _GIVEN and _unbound(port):
+            _GIVEN.add(port)
             return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            if (port := s.getsockname()[1]) not in _GIVEN:
+                _GIVEN.add(port)
+                return port
+    raise RuntimeError("free_port: no port this process has not handed out already")
 
 
 def why_no_private_mounts() -> str | None:

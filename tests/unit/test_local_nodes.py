@@ -17,6 +17,20 @@ def test_free_ports_lie_above_the_ephemeral_range_and_nobody_listens_there():
             s.bind(("", port))
 
 
+def test_free_port_never_hands_out_a_port_twice():
+    """A node's ports are drawn together before any listens: two draws of one port made `ray start` refuse the node
+    ("trying to use a port number ... used by other components")."""
+    import random
+
+    from tandem.services.devtools import local_nodes
+
+    random.seed(0)
+    above = 65536 - ephemeral_ports().stop
+    drawn = [free_port() for _ in range(min(above, 1000) // 2)]  # ~0.5 of the room: without the rule, repeats certain
+    assert len(set(drawn)) == len(drawn)
+    assert set(drawn) <= local_nodes._GIVEN
+
+
 def test_stop_kills_what_a_failed_node_start_left_behind():
     """A `ray start` that exits (its raylet timed out registering) leaves its processes running, no longer its
     children: stop finds them by the node's temporary directory on their command lines, and nothing else."""
