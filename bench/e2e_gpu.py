@@ -9,13 +9,17 @@ the same model (Qwen2.5-0.5B's shape, vocabulary 151,936), data, reward, LoRA r=
 
 A candidate named twice runs twice, in the order given, its second run's files named `NAME-2` (`--candidates
 tandem_k1,trl_async,tandem_k1,trl_async`: each side's spread within one warm machine, where a peer's speed moves
-from one machine to the next).
+from one machine to the next). `NAME:key=value[:key=value]` runs NAME with those workload settings added to the
+call's `--set`, its files named `NAME_key-value` (`--candidates tandem_k1,tandem_k1:rollout_oversample_prompts=auto`:
+a setting and the default in alternation within one call, the table's `--names` naming both; a value holding `,` or
+`:` goes in `--set`).
 
 `vllm_merged` (not in the default list): vLLM alone on the base weights without its LoRA layers, as an engine
 serving merged weights runs (TRL's colocated one): beside `vllm_ceiling`, what the LoRA kernels cost.
 """
 
 import argparse
+import re
 import subprocess
 import sys
 import time
@@ -24,14 +28,18 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def run_names(candidates: str) -> list[tuple[str, str]]:
-    """(candidate, the name its files take) for each in the comma-separated list: NAME, then NAME-2, NAME-3 where the
-    same candidate comes again."""
+def run_names(candidates: str) -> list[tuple[str, list[str], str]]:
+    """(candidate, its own `--set` settings, the name its files take) for each in the comma-separated list: NAME, then
+    NAME-2, NAME-3 where the same candidate with the same settings comes again; `NAME:k=v` is named `NAME_k-v`."""
     seen: dict[str, int] = {}
     out = []
-    for c in candidates.split(","):
-        seen[c] = seen.get(c, 0) + 1
-        out.append((c, c if seen[c] == 1 else f"{c}-{seen[c]}"))
+    for spec in candidates.split(","):
+        c, *sets = spec.split(":")
+        if bad := [kv for kv in sets if "=" not in kv or not kv.split("=", 1)[0]]:
+            raise SystemExit(f"--candidates: {spec!r}: each setting after NAME is key=value, not {bad[0]!r}")
+        name = "_".join([c, *(re.sub(r"[^A-Za-z0-9._-]+", "-", kv.replace("=", "-", 1)) for kv in sets)])
+        seen[name] = seen.get(name, 0) + 1
+        out.append((c, sets, name if seen[name] == 1 else f"{name}-{seen[name]}"))
     return out
 
 
@@ -57,9 +65,10 @@ if __name__ == "__main__":
     ap.add_argument("--table-only", action="store_true")
     a, rest = ap.parse_known_args()
     if not a.table_only:
-        for c, name in run_names(a.candidates):
+        for c, sets, name in run_names(a.candidates):
             quiet_machine()
             print(f"== {name}", flush=True)
             subprocess.run([sys.executable, str(HERE / "e2e.py"), "run", c, "--workload", a.workload,
-                            "--json", f"{a.out}/{name}.json", *rest], check=False)
+                            "--json", f"{a.out}/{name}.json", *rest, *(["--set", *sets] if sets else [])],
+                           check=False)
     subprocess.run([sys.executable, str(HERE / "e2e.py"), "table", a.out], check=True)

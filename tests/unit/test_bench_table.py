@@ -156,8 +156,33 @@ def test_a_candidate_named_twice_runs_twice_under_its_own_names():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.run_names("tandem_k1,trl_async,tandem_k1,trl_async,tandem_k1") == [
-        ("tandem_k1", "tandem_k1"), ("trl_async", "trl_async"), ("tandem_k1", "tandem_k1-2"),
-        ("trl_async", "trl_async-2"), ("tandem_k1", "tandem_k1-3")]
+        ("tandem_k1", [], "tandem_k1"), ("trl_async", [], "trl_async"), ("tandem_k1", [], "tandem_k1-2"),
+        ("trl_async", [], "trl_async-2"), ("tandem_k1", [], "tandem_k1-3")]
+
+
+def test_a_candidate_with_settings_of_its_own_runs_them_under_a_name_that_says_them():
+    """`tandem_k1:rollout_oversample_prompts=auto` beside `tandem_k1`: a setting and the default in alternation in one
+    call, each run's files under its own name (letters, digits, `.`, `-` and `_` only: what the device returns)."""
+    import re
+
+    import pytest
+
+    spec = importlib.util.spec_from_file_location("bench_e2e_gpu", ROOT / "bench" / "e2e_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    over = "tandem_k1:rollout_oversample_prompts=auto"
+    runs = mod.run_names(f"tandem_k1,{over},tandem_k1,{over}:steps=8,{over}")
+    assert runs == [
+        ("tandem_k1", [], "tandem_k1"),
+        ("tandem_k1", ["rollout_oversample_prompts=auto"], "tandem_k1_rollout_oversample_prompts-auto"),
+        ("tandem_k1", [], "tandem_k1-2"),
+        ("tandem_k1", ["rollout_oversample_prompts=auto", "steps=8"],
+         "tandem_k1_rollout_oversample_prompts-auto_steps-8"),
+        ("tandem_k1", ["rollout_oversample_prompts=auto"], "tandem_k1_rollout_oversample_prompts-auto-2")]
+    [(_, sets, name)] = mod.run_names("tandem_k1:tandem_checkpointing=[true] /x")
+    assert sets == ["tandem_checkpointing=[true] /x"] and re.fullmatch(r"[A-Za-z0-9._-]+", name), name
+    with pytest.raises(SystemExit, match="key=value, not 'auto'"):
+        mod.run_names("tandem_k1:auto")
 
 
 def test_cluster_settings_reach_the_job_from_the_command_line(e2e, tmp_path):
