@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import typing
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -575,7 +577,7 @@ class JobConfig(_Section):
                 warnings.simplefilter("always")
                 cfg = cls.model_validate(data)
         except ValidationError as e:
-            raise JobConfigError(format_validation_error(e)) from None
+            raise JobConfigError(format_validation_error(e, cls)) from None
         for w in caught:  # re-issue once, outside pydantic's frames
             warnings.warn(w.message, w.category, stacklevel=2)
         return cfg
@@ -706,8 +708,26 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     node[parts[-1]] = value
 
 
-def format_validation_error(e: ValidationError) -> str:
-    lines = []
+# pydantic names each member of a union a value failed after the field (`cluster.x.int`, `cluster.x.literal['auto']`)
+_UNION_MEMBER = re.compile(r"(int|float|str|bool|none|literal\[.*\])")
+
+
+def _takes_null(model: type[BaseModel], path: tuple) -> bool:
+    """Whether the field at `path` (section names, then the field's) of `model` takes null."""
+    for part in path[:-1]:
+        section = getattr(model.model_fields.get(str(part)), "annotation", None)
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            return False
+        model = section
+    field = model.model_fields.get(str(path[-1]))
+    return field is not None and type(None) in typing.get_args(field.annotation)
+
+
+def format_validation_error(e: ValidationError, model: type[BaseModel] | None = None) -> str:
+    """pydantic's errors as one line: the field, the value, what is allowed (model: the validated class, whose fields
+    say where a union also takes null)."""
+    lines: list = []  # a line, or (field, value) of a union's line
+    union: dict[str, list[str]] = {}  # field -> what each member of its union allows, said in one line
     for err in e.errors():
         loc = ".".join(str(x) for x in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
@@ -717,7 +737,17 @@ def format_validation_error(e: ValidationError) -> str:
             lines.append(f"{loc}: required field missing")
         elif err["type"] == "extra_forbidden":
             lines.append(f"{loc}: unknown field (value {err['input']!r}); check the spelling against the reference")
+        elif len(err["loc"]) > 1 and _UNION_MEMBER.fullmatch(str(err["loc"][-1])):
+            field = ".".join(str(x) for x in err["loc"][:-1])
+            if field not in union:
+                union[field] = []
+                lines.append((field, err["input"]))  # its place among the lines, filled in below
+            union[field].append(msg.removeprefix("Input should be ").split(",")[0])
         else:
             allowed = msg.removeprefix("Input should be ")
             lines.append(f"{loc} = {err['input']!r}: must be {allowed}")
-    return "invalid job: " + "; ".join(lines)
+    for field, allowed in union.items():
+        if model is not None and _takes_null(model, tuple(field.split("."))):
+            allowed.append("null")
+    said = [ln if isinstance(ln, str) else f"{ln[0]} = {ln[1]!r}: must be {' or '.join(union[ln[0]])}" for ln in lines]
+    return "invalid job: " + "; ".join(said)

@@ -264,3 +264,23 @@ def test_oversampling_needs_a_staleness_bound(job_files):
     # auto is none at max_staleness 0: no error there
     d["cluster"].update(rollout_oversample_prompts="auto", max_staleness=0)
     assert load(d).cluster.rollout_oversample_prompts == "auto"
+
+
+def test_a_value_no_member_of_a_union_takes_is_one_line_naming_the_field_and_what_it_takes(job_files):
+    """pydantic says a union's refusal once per member, each under a name of its own (`...prompts.int`,
+    `...prompts.literal['auto']`): the user reads one line per field, with null where the field takes it."""
+    d = copy.deepcopy(job_files)
+    d["model"] = {**d["model"], "max_tokens_per_forward": "big"}
+    d["cluster"] = {**d.get("cluster", {}), "max_staleness": 1, "rollout_oversample_prompts": "Auto",
+                    "vllm_gpu_memory_utilization": "most", "num_generations_typo": 3}
+    with pytest.raises(JobConfigError) as e:
+        load(d)
+    assert str(e.value) == "invalid job: " + "; ".join(["model.max_tokens_per_forward = 'big': must be a valid integer or 'auto' or null",
+                    "cluster.rollout_oversample_prompts = 'Auto': must be a valid integer or 'auto'",
+                    "cluster.vllm_gpu_memory_utilization = 'most': must be a valid number or 'auto'",
+                    "cluster.num_generations_typo: unknown field (value 3); check the spelling against the reference"])
+    d = copy.deepcopy(job_files)
+    d["cluster"] = {"max_staleness": 1, "rollout_oversample_prompts": 1.5}  # a detail after its comma is left out
+    with pytest.raises(JobConfigError, match=r"^invalid job: cluster.rollout_oversample_prompts = 1.5: must be a "
+                                             r"valid integer or 'auto'$"):
+        load(d)
