@@ -746,8 +746,8 @@ def format_validation_error(e: ValidationError, model: type[BaseModel] | None = 
         else:
             allowed = msg.removeprefix("Input should be ")
             lines.append(f"{loc} = {err['input']!r}: must be {allowed}")
-    for field, allowed in union.items():
-        if model is not None and _takes_null(model, tuple(field.split("."))):
-            allowed.append("null")
-    said = [ln if isinstance(ln, str) else f"{ln[0]} = {ln[1]!r}: must be {' or '.join(union[ln[0]])}" for ln in lines]
-    return "invalid job: " + "; ".join(said)
+    def union_line(field: str, value) -> str:
+        null = ["null"] if model is not None and _takes_null(model, tuple(field.split("."))) else []
+        return f"{field} = {value!r}: must be {' or '.join(union[field] + null)}"
+
+    return "invalid job: " + "; ".join(ln if isinstance(ln, str) else union_line(*ln) for ln in lines)

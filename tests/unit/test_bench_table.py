@@ -25,6 +25,14 @@ def e2e():
     return mod
 
 
+@pytest.fixture(scope="module")
+def e2e_gpu():
+    spec = importlib.util.spec_from_file_location("bench_e2e_gpu", ROOT / "bench" / "e2e_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 # A synchronous run: 10 s a step, of which 8 s waiting for generation and 2 s training; 5,000 completion tokens
 # trained a second, so 50,000 a step, made in 8 s of generation alone (6,250 a second).
 K0 = {"s_per_step": 10.0, "generate_wait_s": 8.0, "train_s_per_step": 2.0, "gen_tokens_per_s": 5000.0,
@@ -151,27 +159,19 @@ def test_host_state_names_a_busy_process_outside_the_run_and_not_one_of_its_own(
     assert state["cpus"] >= 1 and state["load_1m"] >= 0
 
 
-def test_a_candidate_named_twice_runs_twice_under_its_own_names():
-    spec = importlib.util.spec_from_file_location("bench_e2e_gpu", ROOT / "bench" / "e2e_gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.run_names("tandem_k1,trl_async,tandem_k1,trl_async,tandem_k1") == [
+def test_a_candidate_named_twice_runs_twice_under_its_own_names(e2e_gpu):
+    assert e2e_gpu.run_names("tandem_k1,trl_async,tandem_k1,trl_async,tandem_k1") == [
         ("tandem_k1", [], "tandem_k1"), ("trl_async", [], "trl_async"), ("tandem_k1", [], "tandem_k1-2"),
         ("trl_async", [], "trl_async-2"), ("tandem_k1", [], "tandem_k1-3")]
 
 
-def test_a_candidate_with_settings_of_its_own_runs_them_under_a_name_that_says_them():
+def test_a_candidate_with_settings_of_its_own_runs_them_under_a_name_that_says_them(e2e_gpu):
     """`tandem_k1:rollout_oversample_prompts=auto` beside `tandem_k1`: a setting and the default in alternation in one
     call, each run's files under its own name (letters, digits, `.`, `-` and `_` only: what the device returns)."""
     import re
 
-    import pytest
-
-    spec = importlib.util.spec_from_file_location("bench_e2e_gpu", ROOT / "bench" / "e2e_gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     over = "tandem_k1:rollout_oversample_prompts=auto"
-    runs = mod.run_names(f"tandem_k1,{over},tandem_k1,{over}:steps=8,{over}")
+    runs = e2e_gpu.run_names(f"tandem_k1,{over},tandem_k1,{over}:steps=8,{over}")
     assert runs == [
         ("tandem_k1", [], "tandem_k1"),
         ("tandem_k1", ["rollout_oversample_prompts=auto"], "tandem_k1_rollout_oversample_prompts-auto"),
@@ -179,10 +179,10 @@ def test_a_candidate_with_settings_of_its_own_runs_them_under_a_name_that_says_t
         ("tandem_k1", ["rollout_oversample_prompts=auto", "steps=8"],
          "tandem_k1_rollout_oversample_prompts-auto_steps-8"),
         ("tandem_k1", ["rollout_oversample_prompts=auto"], "tandem_k1_rollout_oversample_prompts-auto-2")]
-    [(_, sets, name)] = mod.run_names("tandem_k1:tandem_checkpointing=[true] /x")
+    [(_, sets, name)] = e2e_gpu.run_names("tandem_k1:tandem_checkpointing=[true] /x")
     assert sets == ["tandem_checkpointing=[true] /x"] and re.fullmatch(r"[A-Za-z0-9._-]+", name), name
     with pytest.raises(SystemExit, match="key=value, not 'auto'"):
-        mod.run_names("tandem_k1:auto")
+        e2e_gpu.run_names("tandem_k1:auto")
 
 
 def test_cluster_settings_reach_the_job_from_the_command_line(e2e, tmp_path):

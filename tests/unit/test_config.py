@@ -275,7 +275,8 @@ def test_a_value_no_member_of_a_union_takes_is_one_line_naming_the_field_and_wha
                     "vllm_gpu_memory_utilization": "most", "num_generations_typo": 3}
     with pytest.raises(JobConfigError) as e:
         load(d)
-    assert str(e.value) == "invalid job: " + "; ".join(["model.max_tokens_per_forward = 'big': must be a valid integer or 'auto' or null",
+    assert str(e.value) == "invalid job: " + "; ".join([
+                    "model.max_tokens_per_forward = 'big': must be a valid integer or 'auto' or null",
                     "cluster.rollout_oversample_prompts = 'Auto': must be a valid integer or 'auto'",
                     "cluster.vllm_gpu_memory_utilization = 'most': must be a valid number or 'auto'",
                     "cluster.num_generations_typo: unknown field (value 3); check the spelling against the reference"])

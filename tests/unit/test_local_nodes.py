@@ -20,11 +20,8 @@ def test_free_ports_lie_above_the_ephemeral_range_and_nobody_listens_there():
 def test_free_port_never_hands_out_a_port_twice():
     """A node's ports are drawn together before any listens: two draws of one port made `ray start` refuse the node
     ("trying to use a port number ... used by other components")."""
-    import random
-
     from tandem.services.devtools import local_nodes
 
-    random.seed(0)
     above = 65536 - ephemeral_ports().stop
     drawn = [free_port() for _ in range(min(above, 1000) // 2)]  # ~0.5 of the room: without the rule, repeats certain
     assert len(set(drawn)) == len(drawn)
