@@ -25,7 +25,8 @@ def main(run_dir: str, model: str) -> None:
     rollout_pool.WAIT_NOTE_S = 2.0  # the line every 10 s, sooner
 
     cluster = Cluster(initialize_head=True, head_node_args={  # groups live where they were scored, not in the owner
-        "num_cpus": 2, "_system_config": {"max_direct_call_object_size": 256}})
+        "num_cpus": 2, "_system_config": {"max_direct_call_object_size": 256,
+        "health_check_period_ms": 500, "health_check_failure_threshold": 3}})  # a lost node seen in ~2 s, not 15
     learner_node = cluster.add_node(num_cpus=1, resources={"learner": 1})
     rollout_nodes = [cluster.add_node(num_cpus=1, resources={"rollout": 1}) for _ in range(2)]
     ray.init(address=cluster.address)
