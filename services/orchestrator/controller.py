@@ -52,7 +52,13 @@ from tandem.services.orchestrator.epoch_record import EpochRecord, TrainedRecord
 from tandem.services.orchestrator.evaluator import Evaluator
 from tandem.services.orchestrator.failures import FailureLog
 from tandem.services.orchestrator.group_buffer import GroupBuffer
-from tandem.services.orchestrator.pipeline import prompts_wanted, trained_ahead_allowed
+from tandem.services.orchestrator.pipeline import (
+    BURST_GAP_S,
+    BURST_MAX_S,
+    burst_may_matter,
+    prompts_wanted,
+    trained_ahead_allowed,
+)
 from tandem.services.orchestrator.prompt_source import PromptSource
 from tandem.services.orchestrator.rollout_pool import RolloutPool, lost_object
 from tandem.services.orchestrator.run_log import (  # noqa: F401 - deploy/ reads EXPORTED
@@ -367,7 +373,27 @@ class Controller:
                 continue
             self._gather(max(U, self._wanted(training=False)), timeout=1.0)
         sampled = self._sampled(filled)
-        return self.buffer.take(U), sampled
+        return self._take(), sampled
+
+    def _take(self) -> list:
+        """The next batch from the buffer, once the rest of a burst of groups coming back is in, where it may matter
+        (services/orchestrator/pipeline.py: burst_may_matter): a group of the oldest version this batch may take,
+        back milliseconds after the take, would be dropped, while a fresher one taken in its place could have waited
+        for the next batch. Not for the run's last batch (no batch after it could take the fresher ones)."""
+        U, k = self.plan.unique_prompts, self.cfg.cluster.max_staleness
+        end = time.time() + BURST_MAX_S
+        while (k >= 1 and self._batches_left() > 1 and time.time() < end
+               and burst_may_matter([m["version"] for m, _ in self.buffer.groups], self.pool.in_flight_versions(),
+                                    U, self.version - k)):
+            results, lost = self.pool.poll(timeout=BURST_GAP_S)
+            self._handle_lost(lost)
+            for it, meta, ref in results:
+                self._accept(it, meta, ref)
+            if not results:
+                break
+            self.counters["burst_waits"] += 1
+        self._requeue_stale()  # a group stopped too late may have come back meanwhile
+        return self.buffer.take(U)
 
     def _sampled(self, filled: int) -> dict:
         """Dynamic sampling's counts of the batch about to be taken (the take starts them again)."""
@@ -402,7 +428,7 @@ class Controller:
             return None
         sampled = self._sampled(filled=0)
         self.counters["batches_trained_ahead"] += 1
-        return self._start_training(self.buffer.take(self.plan.unique_prompts), sampled)
+        return self._start_training(self._take(), sampled)
 
     def _finish_training(self, training: Training) -> tuple[dict, Training]:
         """The learner's result of a batch; with max_staleness >= 1 the workers keep sampling meanwhile. Groups whose
