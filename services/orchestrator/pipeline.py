@@ -57,7 +57,7 @@ def burst_may_matter(buffered: list[int], in_flight: list[int], take: int, only_
     was sampled with `only_this_batch` (the oldest version this batch may take, which the next cannot), and the
     `take` oldest buffered groups (what GroupBuffer.take takes) include one the next batch could take (a newer
     version). buffered: the buffered groups' versions; in_flight: the versions the in-flight prompts were handed out
-    at (each samples with that version or a newer one, so this errs toward waiting)."""
+    at (each samples with that version or a newer one: a close enough guess for a wait of milliseconds)."""
     batch = sorted(buffered)[:take]
     return (len(batch) == take and batch[-1] > only_this_batch
-            and any(v <= only_this_batch for v in in_flight))
+            and any(v == only_this_batch for v in in_flight))  # an older one is stopped: no batch may take it
