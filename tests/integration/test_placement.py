@@ -54,7 +54,7 @@ def placed(cluster, rollout_first=False):
 
 
 ray.init(address="local", num_cpus=8, num_gpus=2, include_dashboard=False, log_to_driver=False,
-         configure_logging=False)
+         configure_logging=False, _system_config={"prestart_worker_first_driver": False})  # no 8 idle workers
 print(json.dumps({
     "one_gpu": placed({"rollout_resources": {"num_gpus": 0.4}, "learner_resources": {"num_gpus": 0.4}}),
     "x2_apart": placed({"rollout_resources": {"num_gpus": 1}, "learner_resources": {"num_gpus": 1}}),
