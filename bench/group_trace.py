@@ -79,18 +79,26 @@ def in_flight_at_takes(lines: list[dict]) -> list[tuple[int, Counter]]:
 
 def dropped_why(lines: list[dict]) -> Counter:
     """Each dropped group: 'left at a take' (back before the last take before its drop) or 'back after its take'."""
+    return Counter(why for why, _ in drops(lines))
+
+
+def drops(lines: list[dict]) -> list[tuple[str, float | None]]:
+    """Each dropped group: (why, as dropped_why says; for one back after its take, the milliseconds after it: a few
+    where the take fell inside a burst of groups coming back)."""
     takes = sorted({b["taken_at"] for b in batches(lines) if b["taken_at"] is not None})
-    why = Counter()
+    out = []
     for g in lines:
         if g["event"] != "dropped":
             continue
         before = [t for t in takes if t <= g["time"]]
         back = g.get("returned_at")
         if not before or back is None:
-            why["unknown"] += 1
+            out.append(("unknown", None))
+        elif back <= before[-1]:
+            out.append(("left at a take", None))
         else:
-            why["left at a take" if back <= before[-1] else "back after its take"] += 1
-    return why
+            out.append(("back after its take", (back - before[-1]) * 1000))
+    return out
 
 
 def bursts(lines: list[dict]) -> list[int]:
@@ -153,7 +161,9 @@ def report(lines: list[dict]) -> str:
     why = dropped_why(lines)
     burst = bursts(lines)
     rows += ["", "events: " + ", ".join(f"{k} {v}" for k, v in sorted(events.items())),
-             "dropped: " + (", ".join(f"{k} {v}" for k, v in sorted(why.items())) or "none"),
+             "dropped: " + (", ".join(f"{k} {v}" for k, v in sorted(why.items())) or "none")
+             + (f" (ms after the take: {sorted(round(ms) for ms in after)})" if (after := [
+                 ms for _, ms in drops(lines) if ms is not None]) else ""),
              f"bursts (back within {BURST_S * 1000:.0f} ms of each other): {len(burst)}, sizes {sorted(burst)}",
              "prompts: " + ", ".join(f"{k} {v}" for k, v in sorted(prompt_outcomes(lines).items()))]
     if windows := stopped_after(lines):

@@ -46,7 +46,7 @@ def test_groups_back_together_are_one_burst():
     assert gt.bursts(TRACE) == [3]
     report = gt.report(TRACE)
     assert "| 1 | 0.02 | 2 | 0: 2 | 20 | 0.51 / 0.51 |" in report  # taken at: seconds from the trace's first line
-    assert "dropped: back after its take 1, left at a take 1" in report
+    assert "dropped: back after its take 1, left at a take 1 (ms after the take: [2480])" in report  # 3.50 - 1.02
 
 
 def test_each_prompt_is_told_by_what_became_of_it():
