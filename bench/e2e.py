@@ -492,7 +492,7 @@ def actor_nodes(ray, ctl) -> dict:
 CYCLE_KEYS = ("step", "generate_wait_s", "train_s", "publish_s", "cycle_s", "rollout_busy_s", "rollout/batch_sampling_s",
               "rollout/group_sampling_s", "rollout/group_buffered_s", "rollout/sampled_ahead_frac",
               "learner/time/forwards_s",
-              "prompts_in_flight", "queue_depth", "count/batches_trained_ahead", "count/stale_dropped",
+              "prompts_in_flight", "queue_depth", "count/batches_trained_ahead", "count/burst_waits", "count/stale_dropped",
               "count/stale_stopped", "count/stale_failed", "count/stale_dropped_tokens", "rollout/stale_waste_frac",
               "rollout/engine_steps_per_s", "rollout/sequences_per_step",
               # what the batch trained and how far behind it was: which of the two k >= 1 regimes a cycle is in
@@ -575,6 +575,7 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
         # for it, and prompts recorded as not trained after their second time (docs/grpo.md §6)
         "stale_dropped": top("count/stale_dropped"), "stale_stopped": top("count/stale_stopped"),
         "stale_failed": top("count/stale_failed"),
+        "burst_waits": top("count/burst_waits"),  # polls a take waited for the rest of a burst of groups coming back
         # over the measured steps: the share of the engines' sequence steps that went to groups stopped past the
         # bound, their steps a second of busy time, the sequences a step carried (None: an engine without steps)
         "stale_waste_frac": engines["rollout/stale_waste_frac"],
