@@ -385,11 +385,7 @@ class Controller:
         while (k >= 1 and self._batches_left() > 1 and time.time() < end
                and burst_may_matter([m["version"] for m, _ in self.buffer.groups], self.pool.in_flight_versions(),
                                     U, self.version - k)):
-            results, lost = self.pool.poll(timeout=BURST_GAP_S)
-            self._handle_lost(lost)
-            for it, meta, ref in results:
-                self._accept(it, meta, ref)
-            if not results:
+            if not self._gather(0, timeout=BURST_GAP_S):  # want 0: takes back, hands nothing out
                 break
             self.counters["burst_waits"] += 1
         self._requeue_stale()  # a group stopped too late may have come back meanwhile
@@ -485,9 +481,9 @@ class Controller:
         return prompts_wanted(self.plan.unique_prompts, self.cfg.cluster.max_staleness, training, self._batches_left(),
                               oversample_prompts(self.cfg))
 
-    def _gather(self, want: int, timeout: float, wake: list = ()) -> None:
+    def _gather(self, want: int, timeout: float, wake: list = ()) -> int:
         """Keep `want` prompts buffered or in flight, take what came back within `timeout` (or until one of `wake`
-        resolves)."""
+        resolves). -> how many came back."""
         room = self.buffer.room(want, self.pool.in_flight())
         if room > 0:
             self.buffer.handed_out(self.pool.feed(lambda: self.source.next_item(self.version), room))
@@ -495,6 +491,7 @@ class Controller:
         self._handle_lost(lost)
         for it, meta, ref in results:
             self._accept(it, meta, ref)
+        return len(results)
 
     def _accept(self, it, meta: dict, ref) -> None:
         if meta.get("stale_version") is not None:  # stopped mid-sampling
