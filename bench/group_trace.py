@@ -158,12 +158,12 @@ def report(lines: list[dict]) -> str:
         rows.append(f"| {b['cycle']} | {at} | {b['groups']} | {versions} | {b['tokens'] / max(b['groups'], 1):.0f} "
                     f"| {took} | {'' if after is None else after} | {fates} |")
     events = Counter(g["event"] for g in lines)
-    why = dropped_why(lines)
+    dropped = drops(lines)
+    why, after = Counter(w for w, _ in dropped), [ms for _, ms in dropped if ms is not None]
     burst = bursts(lines)
     rows += ["", "events: " + ", ".join(f"{k} {v}" for k, v in sorted(events.items())),
              "dropped: " + (", ".join(f"{k} {v}" for k, v in sorted(why.items())) or "none")
-             + (f" (ms after the take: {sorted(round(ms) for ms in after)})" if (after := [
-                 ms for _, ms in drops(lines) if ms is not None]) else ""),
+             + (f" (ms after the take: {sorted(round(ms) for ms in after)})" if after else ""),
              f"bursts (back within {BURST_S * 1000:.0f} ms of each other): {len(burst)}, sizes {sorted(burst)}",
              "prompts: " + ", ".join(f"{k} {v}" for k, v in sorted(prompt_outcomes(lines).items()))]
     if windows := stopped_after(lines):

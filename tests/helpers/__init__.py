@@ -6,6 +6,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def bench_script(name: str):
+    """bench/<name>.py loaded as a module (the scripts are run, not imported: bench/ is no package). A script that
+    puts bench/ first on sys.path for its own imports leaves sys.path as it was."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    path = list(sys.path)
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path[:] = path
+    return mod
+
+
 def make_job(tmp_path, model_path, rewards, **sections):
     """A validated JobConfig for integration tests (data file written beside it)."""
     from tandem.core.config import JobConfig

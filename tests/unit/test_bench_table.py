@@ -1,7 +1,6 @@
 """The GPU benchmark's derived figures (bench/e2e.py): pipeline_efficiency in seconds and in trained tokens, and the
 table's ratios against the asynchronous peer, each against the arithmetic written out here."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,27 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import bench_script
 
 
 @pytest.fixture(scope="module")
 def e2e():
-    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "bench" / "e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    path = list(sys.path)
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path[:] = path  # the script puts bench/ first (its own imports); the other tests import nothing from it
-    return mod
+    return bench_script("e2e")
 
 
 @pytest.fixture(scope="module")
 def e2e_gpu():
-    spec = importlib.util.spec_from_file_location("bench_e2e_gpu", ROOT / "bench" / "e2e_gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_script("e2e_gpu")
 
 
 # A synchronous run: 10 s a step, of which 8 s waiting for generation and 2 s training; 5,000 completion tokens

@@ -1,15 +1,11 @@
 """bench/group_trace.py reads a run's group_trace.jsonl: batches in order, why each dropped group was dropped, and
 the bursts of groups that came back together."""
 
-import importlib.util
-
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import bench_script
 
-spec = importlib.util.spec_from_file_location("group_trace", ROOT / "bench" / "group_trace.py")
-gt = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gt)
+gt = bench_script("group_trace")
 
 
 def line(event, t, index, version, **more):
