@@ -1,6 +1,6 @@
-"""`make test` runs the integration tests two files at a time; a test that reads what every process on the machine
-leaves (/dev/shm) or takes the `ray start` head (its wall-time bounds) runs by itself: it is marked `alone`, and the
-Makefile's parallel call leaves those out."""
+"""`make test` runs the unit and the integration tests two files at a time; a test that reads what every process on
+the machine leaves (/dev/shm, every process's CPU time) or takes the `ray start` head (its wall-time bounds) runs by
+itself: it is marked `alone`, and the Makefile's parallel calls leave those out."""
 
 import ast
 import re
@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import ROOT
 
-MACHINE_WIDE = {"shm_entries", "unmapped_semaphores"}  # what they read is every process's
+MACHINE_WIDE = {"shm_entries", "unmapped_semaphores", "host_state"}  # what they read is every process's
 
 
 def must_run_alone(source: str) -> set[str]:
@@ -19,7 +19,8 @@ def must_run_alone(source: str) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
-            names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+            names = {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
+                     if isinstance(n, (ast.Name, ast.Attribute))}
             if names & MACHINE_WIDE or "ray_head" in {a.arg for a in node.args.args}:
                 found.add(node.name)
     return found
@@ -36,27 +37,29 @@ def marked_alone(source: str) -> set[str]:
     ("def test_b(ray_head, tmp_path):\n    pass\n", {"test_b"}),
     ("def test_c(ray_session):\n    x = unmapped_semaphores\n", {"test_c"}),
     ("def test_d(ray_session):\n    pass\ndef helper():\n    shm_entries()\n", set()),
+    ("def test_e(e2e):\n    state = e2e.host_state(sample_s=0.5)\n", {"test_e"}),
 ])
 def test_what_must_run_alone_is_found(source, expect):
     assert must_run_alone(source) == expect
 
 
 def test_every_test_that_must_run_alone_is_collected_as_such():
-    files = sorted((ROOT / "tests" / "integration").glob("test_*.py"))
-    need = {(f.name, t) for f in files for t in must_run_alone(f.read_text())}
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "alone", "tests/integration"],
+    files = sorted((ROOT / "tests").glob("*/test_*.py"))
+    need = {(f.relative_to(ROOT).as_posix(), t) for f in files for t in must_run_alone(f.read_text())}
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "alone", "tests/unit",
+                        "tests/integration"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    collected = {(ln.split("::")[0].rsplit("/", 1)[-1], ln.split("::")[1].split("[")[0])
+    collected = {(ln.split("::")[0], ln.split("::")[1].split("[")[0])
                  for ln in p.stdout.splitlines() if "::" in ln}
     assert need and need <= collected, sorted(need - collected)  # the ray_head ones by conftest, the rest by decorator
-    marked = {(f.name, t) for f in files for t in marked_alone(f.read_text())}
+    marked = {(f.relative_to(ROOT).as_posix(), t) for f in files for t in marked_alone(f.read_text())}
     assert collected == need | marked, sorted(collected ^ (need | marked))
 
 
 def test_the_makefile_runs_the_alone_tests_by_themselves():
     recipe = re.search(r"^test: install\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M)[1]
     calls = [ln.strip() for ln in recipe.splitlines()]
-    assert any("-n 2" in c and '-m "not alone"' in c and c.endswith("tests/integration") for c in calls), calls
-    assert any("-m alone" in c and "-n " not in c and c.endswith("tests/integration") for c in calls), calls
-    assert any(c.endswith("tests/unit") and "-n " not in c for c in calls), calls
+    for tests in ("tests/unit", "tests/integration"):
+        assert any("-n 2" in c and '-m "not alone"' in c and c.endswith(tests) for c in calls), calls
+    assert any("-m alone" in c and "-n " not in c and c.endswith("tests/unit tests/integration") for c in calls), calls

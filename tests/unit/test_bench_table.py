@@ -128,6 +128,7 @@ def test_where_the_gpu_peak_goes_names_each_process_by_its_role(e2e):
     assert e2e.process_role(2 ** 22 + 1) == "?"  # above any pid_max: not there
 
 
+@pytest.mark.alone  # it reads every process's CPU time: a test beside it would be one more busy process
 def test_host_state_names_a_busy_process_outside_the_run_and_not_one_of_its_own(e2e):
     spin = "import time\nend = time.time() + 20\nwhile time.time() < end: pass"
     # outside the run's tree: the shell exits at once, so the spinner's parent becomes init

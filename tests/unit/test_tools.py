@@ -6,7 +6,10 @@ import json
 import threading
 import time
 
+import pytest
+
 from tandem.rollout.tools import TOOL_CALL_PARSERS, ToolCall, call_tools, tool_schemas
+from tests.helpers import unmapped_semaphores
 
 parse = TOOL_CALL_PARSERS["hermes"]().parse
 
@@ -207,12 +210,7 @@ async def later(text: str) -> dict:
 '''
 
 
-def _shm_semaphores() -> set[str]:
-    import os
-
-    return {n for n in os.listdir("/dev/shm") if n.startswith("sem.mp-")} if os.path.isdir("/dev/shm") else set()
-
-
+@pytest.mark.alone  # what it finds in /dev/shm is every process's: no other test beside it
 def test_process_isolated_tools_survive_a_tool_that_kills_its_process_and_stop_a_hung_one(tmp_path):
     """tool_isolation: process: a tool that calls os._exit fails its own call (the model reads why) and the next call
     runs; a call past its time limit is stopped with its process (a thread could only be abandoned); schemas and
@@ -226,7 +224,7 @@ def test_process_isolated_tools_survive_a_tool_that_kills_its_process_and_stop_a
     mod.write_text(ISOLATED_TOOLS)
     specs = [f"{mod}:{n}" for n in ("double", "die", "hang", "later")]
     plain = {fn.__name__: fn for fn in map(load_function, specs)}
-    before = _shm_semaphores()
+    before = unmapped_semaphores()
     iso = IsolatedTools(specs, processes=2)
     iso.start()
     try:
@@ -257,7 +255,7 @@ def test_process_isolated_tools_survive_a_tool_that_kills_its_process_and_stop_a
         assert [(r.content, r.failed) for r in turn(("double", {"x": 5}))] == [("10", False)]
     finally:
         iso.close()
-    assert _shm_semaphores() <= before
+    assert unmapped_semaphores() <= before
 
 
 def test_process_isolation_is_refused_with_an_environment():
