@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Unit tests first (a broken one shows in seconds), then the integration tests, each two files at a time: one
-# file at a time leaves a core idle (the unit tests 78 s against 53-62 here), and an integration test spends half
+# file at a time leaves a core idle (the unit tests 78-82 s against 53-68 here), and an integration test spends half
 # its time in one busy process (a generation cycle, then a training step). Those marked `alone` (they read what
 # every process on the machine leaves, or bound wall times) last, by themselves.
 test: install
