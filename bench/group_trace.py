@@ -77,14 +77,10 @@ def in_flight_at_takes(lines: list[dict]) -> list[tuple[int, Counter]]:
     return out
 
 
-def dropped_why(lines: list[dict]) -> Counter:
-    """Each dropped group: 'left at a take' (back before the last take before its drop) or 'back after its take'."""
-    return Counter(why for why, _ in drops(lines))
-
-
 def drops(lines: list[dict]) -> list[tuple[str, float | None]]:
-    """Each dropped group: (why, as dropped_why says; for one back after its take, the milliseconds after it: a few
-    where the take fell inside a burst of groups coming back)."""
+    """Each dropped group: (why: 'left at a take', back before the last take before its drop, or 'back after its
+    take'; for one back after its take, the milliseconds after it: a few where the take fell inside a burst of groups
+    coming back)."""
     takes = sorted({b["taken_at"] for b in batches(lines) if b["taken_at"] is not None})
     out = []
     for g in lines:
