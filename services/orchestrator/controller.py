@@ -388,7 +388,7 @@ class Controller:
             if not self._gather(0, timeout=BURST_GAP_S):  # want 0: takes back, hands nothing out
                 break
             self.counters["burst_waits"] += 1
-        self._requeue_stale()  # a group stopped too late may have come back meanwhile
+            self._requeue_stale()  # what came back past the bound is no group to take (the callers dropped the rest)
         return self.buffer.take(U)
 
     def _sampled(self, filled: int) -> dict:
