@@ -44,12 +44,11 @@ def test_what_must_run_alone_is_found(source, expect):
 
 
 def test_every_test_that_must_run_alone_is_collected_as_such():
-    files = sorted((ROOT / "tests").glob("*/test_*.py"))
-    need = {(f.relative_to(ROOT).as_posix(), t) for f in files for t in must_run_alone(f.read_text())}
-    marked = {(f.relative_to(ROOT).as_posix(), t) for f in files for t in marked_alone(f.read_text())}
+    texts = {f.relative_to(ROOT).as_posix(): f.read_text() for f in sorted((ROOT / "tests").glob("*/test_*.py"))}
+    need = {(f, t) for f, text in texts.items() for t in must_run_alone(text)}
+    marked = {(f, t) for f, text in texts.items() for t in marked_alone(text)}
     # the files that may hold one (a mark in their text, or one conftest gives: the ray_head tests, in `need`)
-    maybe = sorted({f for f, _ in need} | {f.relative_to(ROOT).as_posix() for f in files
-                                             if "mark.alone" in f.read_text()})
+    maybe = sorted({f for f, _ in need} | {f for f, text in texts.items() if "mark.alone" in text})
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "alone", *maybe],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
