@@ -263,7 +263,7 @@ class Learner:
         if len(groups) != plan.unique_prompts:
             raise ValueError(f"Learner.train: {len(groups)} groups; the batch plan needs {plan.unique_prompts}")
         _check_token_ids(groups, self.model.get_input_embeddings().num_embeddings)
-        s = Samples.from_groups(groups)
+        s = Samples.from_groups(groups, self.version, cfg.cluster.max_staleness)
         lengths = torch.tensor([len(c) for c in s.completions])
         rewards, weights = with_overlong_column(torch.from_numpy(s.rewards), lengths, cfg.column_weights(), g,
                                                 cfg.generation.max_completion_length)

@@ -22,24 +22,37 @@ class Samples:
     sampler_logprobs: list[np.ndarray]
     eos: np.ndarray  # bool [N]
     rewards: np.ndarray  # float32 [N, F]
-    versions: np.ndarray  # int [N]
-    loss_masks: list[np.ndarray]  # bool, per completion token: the model's own (False: a tool's, the environment's)
+    versions: np.ndarray  # int [N]: the version each sample started on
+    # bool, per completion token: the model's own (False: a tool's, the environment's) and within the staleness bound
+    loss_masks: list[np.ndarray]
     origins: list[tuple[int, int]] = field(default_factory=list)  # per sample: its group's (group_id, dataset index)
+    token_versions: list[np.ndarray] = field(default_factory=list)  # int32, per completion token: the version that sampled it
+    stale_tokens: int = 0  # the model's tokens masked for being too old for the weights that train on them
 
     @classmethod
-    def from_groups(cls, groups: list[RolloutGroup]) -> Samples:
-        p, c, s, e, r, v, m, o = [], [], [], [], [], [], [], []
+    def from_groups(cls, groups: list[RolloutGroup], version: int | None = None, max_staleness: int | None = None
+                    ) -> Samples:
+        """version, max_staleness: the weights that train on these groups and the bound: a token sampled more than
+        max_staleness versions before `version` leaves the loss (token_bound; docs/grpo.md §3)."""
+        p, c, s, e, r, v, m, o, tv = [], [], [], [], [], [], [], [], []
+        stale = 0
         for g in groups:
             o += [(g.group_id, g.index)] * g.num_generations
             for k in range(g.num_generations):
                 p.append(g.prompt_ids)
                 c.append(g.completion(k))
                 s.append(g.completion_logprobs(k))
-                m.append(g.completion_loss_mask(k))
+                tv.append(g.completion_versions(k))
+                mask = g.completion_loss_mask(k)
+                if version is not None and max_staleness is not None:
+                    fresh = token_bound(tv[-1], version, max_staleness)
+                    stale += int((mask & ~fresh).sum())
+                    mask = mask & fresh
+                m.append(mask)
                 v.append(g.version)
             e.append(g.eos)
             r.append(g.rewards)
-        return cls(p, c, s, np.concatenate(e), np.concatenate(r).astype(np.float32), np.asarray(v), m, o)
+        return cls(p, c, s, np.concatenate(e), np.concatenate(r).astype(np.float32), np.asarray(v), m, o, tv, stale)
 
     def __len__(self) -> int:
         return len(self.completions)
@@ -51,6 +64,11 @@ class Samples:
     def loss_mask_counts(self, rows, mask_truncated: bool) -> int:
         """The tokens the loss sees in these rows: the model's own, of the samples trained (dapo's count)."""
         return int(sum(self.loss_masks[i].sum() for i in rows if self.trained(i, mask_truncated)))
+
+
+def token_bound(versions: np.ndarray, version: int, max_staleness: int) -> np.ndarray:
+    """bool: the tokens the weights of `version` may train on, those sampled at most max_staleness versions before."""
+    return version - np.asarray(versions) <= max_staleness
 
 
 def collate(s: Samples, rows, advantages: torch.Tensor, *, pad_id: int, mask_truncated: bool,

@@ -87,6 +87,7 @@ def rollout_stats(s: Samples, G: int, weights, version: int, rewards: np.ndarray
         "frac_truncated": float(1 - s.eos.mean()),
         "version_lag": float(np.mean(version - s.versions)),
         "version_lag_max": float(np.max(version - s.versions)),
+        **token_accounting(s, version),
     }
     for f in range(rewards.shape[1]):
         col = rewards[:, f]
@@ -94,6 +95,21 @@ def rollout_stats(s: Samples, G: int, weights, version: int, rewards: np.ndarray
         out[f"rewards/{f}/mean"] = float(col.mean()) if len(col) else 0.0
         out[f"rewards/{f}/std"] = float(col.std(ddof=1)) if len(col) > 1 else 0.0
     return out
+
+
+def token_accounting(s: Samples, version: int) -> dict:
+    """What the batch trains, by token: rollout/version_lag (mean and max over the tokens the loss sees, each token's
+    own version against the weights `version` that train on it), rollout/inflight_updated (sequences sampled under
+    more than one version), rollout/stale_masked_tokens (the model's tokens too old for the bound), and
+    rollout/trained_tokens (the tokens the loss sees; a truncated completion masked by mask_truncated_completions
+    counts here too)."""
+    lags = [version - v[m] for v, m in zip(s.token_versions, s.loss_masks) if m.any()]
+    lag = np.concatenate(lags) if lags else np.zeros(0)
+    return {"rollout/version_lag": float(lag.mean()) if len(lag) else 0.0,
+            "rollout/version_lag_max": float(lag.max()) if len(lag) else 0.0,
+            "rollout/inflight_updated": float(sum(len(np.unique(v)) > 1 for v in s.token_versions)),
+            "rollout/stale_masked_tokens": float(s.stale_tokens),
+            "rollout/trained_tokens": float(sum(int(m.sum()) for m in s.loss_masks))}
 
 
 def memory_peaks(device) -> dict:

@@ -14,6 +14,13 @@ Commands:
                          for a version, stop (RunEnded); one that comes later runs
   STOP                   end the loop
 
+In flight (`inflight`, the default at max_staleness >= 1, on an engine that `updates_in_flight`): a training group's
+request is live: each load reaches it between two engine steps, its sequences sample their next tokens with the new
+version, and the loop records where each sequence stood at the load (`Engine.progress`), so every completion token
+carries the version that sampled it (Completion.versions). A live request is never stopped for staleness (the learner
+masks a token too old for the weights that train on it, learner/batch.py); a merged engine loads a new version
+without draining its live requests. Otherwise (a group finishes under its own version, `cluster.inflight_updates:
+false`):
 A request can no longer become a trainable group once the newest version published (loaded, or waiting to load)
 is more than max_staleness ahead of the one it samples with, or once the controller says so (TrainableFrom: it
 took the last batch that could hold it, a training before that publish): an engine that can stop a request
@@ -79,7 +86,7 @@ class Request:
     """A prompt between its arrival and its completions: the calling thread waits on `done`."""
 
     __slots__ = ("ids", "sampling", "min_version", "pin", "version", "result", "error", "done", "submitted",
-                 "started", "hold", "stoppable", "first_step", "_callbacks")
+                 "started", "hold", "stoppable", "first_step", "live", "boundaries", "_callbacks")
 
     def __init__(self, ids: np.ndarray, sampling: Sampling, min_version: int = 0, pin: int | None = None,
                  stoppable: bool = False):
@@ -94,6 +101,8 @@ class Request:
         self.started = False  # its version is chosen (set by the loop's thread)
         self.hold = 0  # the holds it took on its version (given back by the loop if it fails)
         self.first_step = 0  # the loop's engine-step count when it entered the engine (a streaming one)
+        self.live = False  # follows every load while it runs (in flight)
+        self.boundaries: list[tuple[int, dict]] = []  # (version loaded, {sequence: tokens it had sampled before})
         self._callbacks: list = []
 
     def fail(self, error: BaseException) -> None:
@@ -157,10 +166,12 @@ class EngineLoop:
     """`submit(command)` from any thread; `run(engine)` in the thread that built the engine (vLLM keeps a CUDA
     stream per thread) until STOP or `stop()`. version: the newest version served (0: the base model)."""
 
-    def __init__(self, lora: bool, max_staleness: int | None = None):
-        """max_staleness: stop requests that can no longer be trained (None: every request runs to its end)."""
+    def __init__(self, lora: bool, max_staleness: int | None = None, inflight: bool = False):
+        """max_staleness: stop requests that can no longer be trained (None: every request runs to its end);
+        inflight: a training request follows every load (where the engine can)."""
         self.lora = lora  # versions are adapters (else full weights)
         self.max_staleness = max_staleness
+        self.inflight = inflight
         self.version = 0
         self.trainable_from = 0  # the oldest version a training may still take (TrainableFrom)
         self.engine: Engine | None = None
@@ -219,7 +230,7 @@ class EngineLoop:
             elif isinstance(cmd, Release):
                 self._holds[cmd.version] -= 1
             elif isinstance(cmd, LoadVersion):
-                if (self._running or +self._holds) and self.engine.serves_one_version:
+                if self._must_drain():
                     self._held.append(cmd)  # drain first: the load and what follows it wait (an episode's turns pass)
                 else:
                     self._load(cmd)
@@ -233,6 +244,11 @@ class EngineLoop:
             self._stop_training()
         self._stop_stale()
         self._step(batch)
+
+    def _must_drain(self) -> bool:
+        """A load waits for the engine to drain: it serves one version at a time and a request (or an episode's hold)
+        stays on the one it has; live requests ride across."""
+        return self.engine.serves_one_version and (any(not r.live for r in self._running.values()) or +self._holds)
 
     def _stop_training(self) -> None:
         """StopTraining on an engine that can stop a request (a streaming one: what arrived this turn is running
@@ -256,7 +272,7 @@ class EngineLoop:
         newest = max([self.version] + [c.version for c in self._held if isinstance(c, LoadVersion)])
         oldest = max(newest - self.max_staleness, self.trainable_from)
         for key, req in list(self._running.items()):
-            if stoppable(req, req.hold) and req.version < oldest:
+            if stoppable(req, req.hold) and not req.live and req.version < oldest:
                 self._abort(key, StaleRequest(req.version, oldest, self.max_staleness))
 
     def _abort(self, key: int, error: StaleRequest) -> None:
@@ -301,8 +317,12 @@ class EngineLoop:
     def _add(self, cmd: Sample) -> None:
         req = cmd.request
         req.version, req.submitted = self._start_version(cmd), time.time()
+        req.live = self.inflight and self.engine.updates_in_flight and stoppable(req, cmd.hold)
         try:
-            self.engine.add(self._next_key, req.ids, req.sampling, adapter=self._adapter(req.version))
+            if req.live:
+                self.engine.add(self._next_key, req.ids, req.sampling, live=True)
+            else:
+                self.engine.add(self._next_key, req.ids, req.sampling, adapter=self._adapter(req.version))
         except Exception as e:  # noqa: BLE001 - refused by the engine (bad sampling, too long): its caller
             self._give_back(req)  # hears it; the loop and every other request go on
             req.fail(e)
@@ -339,6 +359,9 @@ class EngineLoop:
 
     def _finish(self, req: Request, comps) -> None:
         self._in_use[req.version] -= 1
+        if req.boundaries:
+            for g, c in enumerate(comps):
+                c.versions = token_versions(req.version, req.boundaries, g, len(c.tokens))
         req.result = comps
         with self._times_lock:
             self.times["generate_s"] += time.time() - req.submitted
@@ -360,6 +383,8 @@ class EngineLoop:
     def _load(self, cmd: LoadVersion) -> None:
         try:
             if cmd.version > self.version:
+                live = {key: r for key, r in self._running.items() if r.live}
+                where = {key: self.engine.progress(key) for key in live}  # the tokens sampled before the load
                 if self.lora:
                     self.engine.load_adapter(cmd.version, cmd.tensors)
                     # versions nobody samples with any more leave the engine (the newest stays)
@@ -368,10 +393,23 @@ class EngineLoop:
                 else:
                     self.engine.load_weights(cmd.version, cmd.tensors)
                 self.version = cmd.version
+                for key, r in live.items():
+                    r.boundaries.append((cmd.version, where[key]))
         except BaseException as e:  # noqa: BLE001 - handed to the caller that sent the load
             cmd.error = e
         finally:
             cmd.done.set()
+
+
+def token_versions(start: int, boundaries: list[tuple[int, dict]], seq: int, length: int) -> np.ndarray:
+    """int32 [length]: the version that sampled each token of sequence `seq` of a live request that started on
+    `start` and rode across `boundaries` ((version loaded, {sequence: tokens sampled before it}); a sequence absent
+    from a boundary had finished before it)."""
+    out = np.full(length, start, dtype=np.int32)
+    for version, before in boundaries:
+        if seq in before:
+            out[before[seq]:] = version
+    return out
 
 
 def continues_episode(cmd) -> bool:

@@ -26,6 +26,7 @@ from tandem.core.engine_memory import (
     auto_engine,
     engine_kv_bytes,
     engine_max_num_seqs,
+    in_flight,
     prompts_in_flight,
 )
 from tandem.core.protocol import (
@@ -42,6 +43,7 @@ from tandem.rollout.engine_loop import (
     EngineLoop,
     LoadVersion,
     Request,
+    RunEnded,
     Sample,
     StaleRequest,
     StopTraining,
@@ -69,10 +71,15 @@ def build_engine(cfg, seed: int):
                           max_model_len=cfg.generation.max_prompt_length + cfg.generation.max_completion_length,
                           max_loras=cfg.cluster.max_staleness + 2, enforce_eager=cfg.cluster.vllm_enforce_eager,
                           max_num_seqs=engine_max_num_seqs(cfg), merge_adapter=cfg.cluster.vllm_merge_adapter,
-                          kv_cache_bytes=cpu_kv_cache_bytes(cfg), **gpu_memory_args(cfg))
+                          kv_cache_bytes=cpu_kv_cache_bytes(cfg), inflight=inflight_kv(cfg), **gpu_memory_args(cfg))
     from tandem.rollout.engines.hf_engine import HFEngine
 
     return HFEngine(m.local_dir(), dtype=m.dtype, lora=m.lora, seed=seed)
+
+
+def inflight_kv(cfg) -> str | None:
+    """The engine's in-flight mode (`cluster.inflight_kv`), None where groups finish under their own version."""
+    return cfg.cluster.inflight_kv if in_flight(cfg) else None
 
 
 def gpu_memory_args(cfg) -> dict:
@@ -101,13 +108,14 @@ class RolloutWorker:
     def __init__(self, cfg, worker_id: int = 0):
         self.cfg, self.worker_id = cfg, worker_id
         self.sampling = Sampling.from_config(cfg)
-        self.loop = EngineLoop(lora=cfg.model.lora is not None, max_staleness=cfg.cluster.max_staleness)
+        self.loop = EngineLoop(lora=cfg.model.lora is not None, max_staleness=cfg.cluster.max_staleness,
+                               inflight=inflight_kv(cfg) is not None)
         self.episodes = None  # the episode runner of a job with tools or an environment (setup)
         self.environments = None
         self._ready = threading.Event()
         self._setup_error: BaseException | None = None
         self._lock = threading.Lock()  # stats
-        self._stats = Counter(groups=0, failures=0, tokens=0, requests=0, stopped_stale=0)
+        self._stats = Counter(groups=0, failures=0, tokens=0, requests=0, stopped_stale=0, stopped_at_end=0)
         self._times = {"score_s": 0.0, "engine_start_s": 0.0}
         self._started_at = time.time()
 
@@ -226,6 +234,8 @@ class RolloutWorker:
         for it, r in zip(items, reqs):
             r.done.wait()
             if isinstance(r.error, StaleRequest):
+                with self._lock:  # the run's end stops what no training would take: not the bound's
+                    self._stats["stopped_at_end" if isinstance(r.error, RunEnded) else "stopped_stale"] += 1
                 out.append(RolloutFailure(it.group_id, it.index, f"dataset row {it.index}: {r.error}", self.worker_id,
                                           stale_version=r.error.version))
             elif r.error is not None:
@@ -270,8 +280,9 @@ class RolloutWorker:
 
     def _group(self, it: PromptItem, req: Sampled | RolloutFailure, t0: float) -> RolloutGroup | RolloutFailure:
         if isinstance(req, RolloutFailure):
-            with self._lock:
-                self._stats["stopped_stale" if req.stale_version is not None else "failures"] += 1
+            if req.stale_version is None:
+                with self._lock:
+                    self._stats["failures"] += 1
             return req
         comps, eps = req.result, req.episodes
         t1 = time.time()
@@ -302,6 +313,8 @@ class RolloutWorker:
                                   retryable=False, no_reward=True)
         tokens, offsets = pack_completions(ids)
         lps, _ = pack_completions([c.logprobs for c in comps])
+        versions = None if all(c.versions is None for c in comps) else pack_completions(
+            [np.full(len(c.tokens), req.version, np.int32) if c.versions is None else c.versions for c in comps])[0]
         score_s = time.time() - t1
         with self._lock:
             self._stats["groups"] += 1
@@ -311,6 +324,7 @@ class RolloutWorker:
             group_id=it.group_id, index=it.index, prompt_ids=it.prompt_ids if req.prompt_ids is None else req.prompt_ids,
             tokens=tokens.astype(np.int32), offsets=offsets, sampler_logprobs=lps.astype(np.float32),
             eos=np.array([c.eos for c in comps], dtype=bool), rewards=rewards, version=req.version,
+            token_versions=None if versions is None else versions.astype(np.int32),
             worker=self.worker_id, columns=it.columns,
             timings={"queue_s": max(t0 - it.queued_at, 0.0) if it.queued_at else 0.0,
                      "generate_s": t1 - req.submitted, "score_s": score_s},

@@ -35,6 +35,9 @@ class Completion:
     # bool [L]: the tokens the model sampled (True) and those a tool or the environment put there (False), which the
     # loss reads as context only; None: every token is the model's. Carried as it is into RolloutGroup.loss_mask.
     mask: np.ndarray | None = None
+    # int32 [L]: the policy version that sampled each token (an in-flight update lands mid-sequence: the engine loop
+    # fills it from the request's boundaries, rollout/engine_loop.py); None: every token is the request's version
+    versions: np.ndarray | None = None
 
 
 class Engine:
@@ -48,6 +51,9 @@ class Engine:
     serves_one_version = False
     streams = False
     can_abort = False  # a streaming engine that can stop a request mid-sampling (`abort`)
+    # a streaming engine that takes a new version into the requests already running (in-flight updates): `add(...,
+    # live=True)` requests follow every load, `progress` says where each of their sequences stands at it
+    updates_in_flight = False
 
     def generate(self, prompts: list[np.ndarray], sampling: Sampling, adapter: int | None = None
                  ) -> list[list[Completion]]:
@@ -60,6 +66,11 @@ class Engine:
     def step(self) -> list[tuple[int, list[Completion]]]:
         """A streaming engine: one step of every running request -> (key, completions) of those that finished."""
         raise NotImplementedError
+
+    def progress(self, key: int) -> dict[int, int]:
+        """A running request's sequences still sampling: {its index among the n: tokens sampled so far} (one that
+        finished is absent: all of its tokens are behind)."""
+        raise NotImplementedError(f"{type(self).__name__}.progress: this engine does not update requests in flight")
 
     def abort(self, key: int) -> None:
         """Stop request `key` (added, not finished): it frees its sequences and is never returned by `step`."""

@@ -56,6 +56,13 @@ class TandemWorkerExtension:
         mgr._lora_model_cls.staged[lora_id] = tensors
         return True
 
+    def tandem_zero_lora(self, lora_id: int, name: str, path: str, rank: int) -> bool:
+        """A LoRA of zeros under `lora_id` (the base model's outputs), on every layer vLLM can adapt: the live slot
+        before the first publish, which each publish then replaces in place."""
+        from vllm.lora.request import LoRARequest
+
+        return self.model_runner.lora_manager.add_dummy_lora(LoRARequest(name, lora_id, path), rank)
+
     def tandem_unstage_lora(self, lora_id: int) -> bool:
         """`lora_id` left the engine (or failed to load)."""
         return self.model_runner.lora_manager._lora_model_cls.staged.pop(lora_id, None) is not None
@@ -152,6 +159,9 @@ class AdapterMerge:
         return by_module
 
 
+LIVE = "tandem-live"  # the LoRA slot that requests following every publish sample with
+
+
 class VLLMEngine(Engine):
     streams = True  # the engine loop adds requests between engine steps
     can_abort = True
@@ -160,11 +170,15 @@ class VLLMEngine(Engine):
                  max_loras: int = 2, seed: int = 0, kv_cache_bytes: int = 256 << 20, adapter_dir: str | None = None,
                  enforce_eager: bool | None = None, gpu_memory_utilization: float = 0.3,
                  gpu_kv_cache_bytes: int | None = None, max_num_seqs: int | None = None,
-                 merge_adapter: bool | None = None):
+                 merge_adapter: bool | None = None, inflight: str | None = None):
         """enforce_eager None: eager on CPU, CUDA graphs on GPU (what TRL's colocate mode runs).
         merge_adapter None: merged on CPU, a LoRA adapter on GPU (`cluster.vllm_merge_adapter`).
         gpu_kv_cache_bytes: on a GPU, the KV cache's size (vLLM then skips sizing it by its memory profile;
-        gpu_memory_utilization is only what must be free at start); kv_cache_bytes: its size on CPU."""
+        gpu_memory_utilization is only what must be free at start); kv_cache_bytes: its size on CPU.
+        inflight: "recompute" or "keep" (`cluster.inflight_kv`): requests added `live` follow each new version, their
+        KV cache recomputed under it at the load (each token then sampled by one version's policy) or kept (PipelineRL:
+        the tokens after a load attend to keys and values the older weights computed); None: each request samples
+        on the version it started with."""
         import torch
 
         self._set_num_threads = torch.set_num_threads  # vLLM replaces it with a no-op in this process
@@ -174,7 +188,10 @@ class VLLMEngine(Engine):
 
         self.model_path, self.lora = model_path, lora
         # merged: the adapter folded into the weights, one version served at a time (the worker drains)
-        self.serves_one_version = lora is not None and (on_cpu if merge_adapter is None else merge_adapter)
+        merged = lora is not None and (on_cpu if merge_adapter is None else merge_adapter)
+        self.inflight, self.updates_in_flight = inflight, inflight is not None
+        # merged and not in flight: a load waits for the engine to drain (live requests ride across a merged load)
+        self.serves_one_version = merged
         self._device = "cpu" if on_cpu else f"cuda:{torch.cuda.current_device()}"
         eager = on_cpu if enforce_eager is None else enforce_eager
         kw = dict(model=model_path, dtype=dtype, enforce_eager=eager, seed=seed, max_model_len=max_model_len,
@@ -189,7 +206,7 @@ class VLLMEngine(Engine):
         if max_num_seqs is not None:
             kw["max_num_seqs"] = max_num_seqs
         if lora is not None and not self.serves_one_version:
-            kw.update(enable_lora=True, max_lora_rank=max(8, lora.r), max_loras=max_loras)
+            kw.update(enable_lora=True, max_lora_rank=max(8, lora.r), max_loras=max_loras + self.updates_in_flight)
         self.llm = LLM(**kw)
         self._merge = None
         if self.serves_one_version:
@@ -204,6 +221,13 @@ class VLLMEngine(Engine):
         self._adapters: dict[int, object] = {}  # version -> LoRARequest
         self._next_lora_id = 1
         self.weights_version = 0
+        self.served = 0  # the newest version loaded: live requests sample with it
+        self._latest = None  # (version, tensors) of the newest adapter: a pinned request's LoRA made from it on demand
+        self._live = None  # the live slot's LoRARequest (LoRA served in flight)
+        if self.updates_in_flight and lora is not None and not merged:
+            self._live = LoRARequest_(LIVE, self._new_lora_id(), str(self._adapter_root))
+            self.llm.collective_rpc("tandem_zero_lora", args=(self._live.lora_int_id, LIVE, str(self._adapter_root),
+                                                              max(8, lora.r)))
 
     # ------------------------------------------------------------------------------- sampling
 
@@ -219,6 +243,9 @@ class VLLMEngine(Engine):
     def _lora(self, adapter):
         if adapter is None:
             return None
+        if adapter not in self._adapters and self._latest is not None and self._latest[0] == adapter \
+                and not self.serves_one_version:
+            self._register(*self._latest)  # in flight, a version's own LoRA is made for the request pinned to it
         if self.serves_one_version:
             if adapter != self.weights_version:
                 raise KeyError(f"VLLMEngine: adapter version {adapter} is not the merged one ({self.weights_version})")
@@ -230,16 +257,27 @@ class VLLMEngine(Engine):
     @staticmethod
     def _completions(out) -> list[Completion]:
         comps = []
-        for c in out.outputs:
+        for c in sorted(out.outputs, key=lambda c: c.index):  # sequence order: the index progress() names
             ids = np.asarray(c.token_ids, dtype=np.int32)
             lps = np.asarray([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)], dtype=np.float32)
             comps.append(Completion(ids, lps, eos=c.finish_reason == "stop"))
         return comps
 
     # Step-wise requests (the rollout worker's engine loop): add between steps, take what finished.
-    def add(self, key: int, prompt, sampling: Sampling, adapter=None) -> None:
-        self.llm.llm_engine.add_request(str(key), {"prompt_token_ids": [int(t) for t in prompt]},
-                                        self._params(sampling), lora_request=self._lora(adapter))
+    def add(self, key: int, prompt, sampling: Sampling, adapter=None, live: bool = False) -> None:
+        """live: the request follows every version loaded while it runs (in flight); else it samples with `adapter`.
+        Each version's prefix cache is its own (cache_salt): a prompt's blocks computed under older weights are never
+        read by a request under newer ones."""
+        lora = self._live if live and self._live is not None else self._lora(adapter)
+        prompt = {"prompt_token_ids": [int(t) for t in prompt], "cache_salt": f"tandem-v{self.served}"}
+        self.llm.llm_engine.add_request(str(key), prompt, self._params(sampling), lora_request=lora)
+
+    def progress(self, key: int) -> dict[int, int]:
+        """{sequence index: tokens sampled so far} of request `key`'s sequences still running (vLLM's output
+        processor holds one state per sequence of an n-sample request)."""
+        proc = self.llm.llm_engine.output_processor
+        states = (proc.request_states.get(i) for i in proc.external_req_ids.get(str(key), ()))
+        return {st.request_index: st.detokenizer.num_output_tokens() for st in states if st is not None}
 
     def abort(self, key: int) -> None:
         self.llm.llm_engine.abort_request([str(key)])
@@ -255,16 +293,37 @@ class VLLMEngine(Engine):
 
     # -------------------------------------------------------------------------------- weights
 
-    def load_adapter(self, version, tensors):
-        from vllm.lora.request import LoRARequest
+    def _new_lora_id(self) -> int:
+        self._next_lora_id += 1
+        return self._next_lora_id - 1
 
+    def load_adapter(self, version, tensors):
         if self.lora is None:
             raise RuntimeError("VLLMEngine.load_adapter: engine built without LoRA (model.lora is null)")
         if self.serves_one_version:
             return self.load_weights(version, self._merge.merged(tensors))
-        # A fresh id per version: vLLM silently keeps old weights when an id is reused.
-        req = LoRARequest(f"tandem-v{version}", self._next_lora_id, str(self._adapter_root))
-        self._next_lora_id += 1
+        if self._live is None:
+            self._register(version, tensors)
+        else:
+            # the live slot's weights replaced where they are (vLLM's load_inplace): every request on it samples its
+            # next token with them; a pinned request gets the version's own LoRA on demand (_lora)
+            self.llm.collective_rpc("tandem_stage_lora", args=(self._live.lora_int_id, tensors))
+            self.llm.llm_engine.add_lora(LoRARequest_(LIVE, self._live.lora_int_id, self._live.lora_path,
+                                                      load_inplace=True))
+            self._latest = (version, tensors)
+            self._recompute_running()
+        self.served = version
+
+    def _recompute_running(self) -> None:
+        """inflight "recompute": every running request's KV cache computed again under the weights just loaded (vLLM
+        preempts them all; each resumes from its prompt and the tokens it has, none sampled twice)."""
+        if self.inflight == "recompute":
+            self.llm.reset_prefix_cache(reset_running_requests=True)
+
+    def _register(self, version, tensors) -> None:
+        """A LoRA of its own for `version`. A fresh id per version: vLLM silently keeps old weights when an id is
+        reused."""
+        req = LoRARequest_(f"tandem-v{version}", self._new_lora_id(), str(self._adapter_root))
         self.llm.collective_rpc("tandem_stage_lora", args=(req.lora_int_id, tensors))
         try:
             # loaded now, between steps, rather than by the first request that names it
@@ -307,8 +366,11 @@ class VLLMEngine(Engine):
         else:  # the engine core in another process gets them serialized
             items = [(k, v.detach().cpu()) for k, v in pairs]
         self.llm.collective_rpc("tandem_load_weights", args=(items,))
-        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
-        self.weights_version = version
+        if self.inflight == "recompute":
+            self._recompute_running()
+        else:  # cached KV was computed with the old weights (with requests running vLLM keeps it: cache_salt)
+            self.llm.reset_prefix_cache()
+        self.weights_version = self.served = version
 
     def close(self):
         shutil.rmtree(self._adapter_root, ignore_errors=True)
@@ -316,6 +378,12 @@ class VLLMEngine(Engine):
             self.llm.llm_engine.engine_core.shutdown()
         except Exception:  # noqa: BLE001 - best effort at teardown
             pass
+
+
+def LoRARequest_(*args, **kw):  # noqa: N802 - vLLM's LoRARequest, imported once vLLM is
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(*args, **kw)
 
 
 def adapter_scratch_dir() -> str:

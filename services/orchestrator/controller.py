@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from tandem.core.config import JobConfigError
-from tandem.core.engine_memory import oversample_prompts
+from tandem.core.engine_memory import in_flight, oversample_prompts
 from tandem.core.errors import RewardContractError
 from tandem.core.plan import BatchPlan
 from tandem.core.protocol import errors_as_text
@@ -382,7 +382,7 @@ class Controller:
         for the next batch. Not for the run's last batch (no batch after it could take the fresher ones)."""
         U, k = self.plan.unique_prompts, self.cfg.cluster.max_staleness
         end = time.time() + BURST_MAX_S
-        while (k >= 1 and self._batches_left() > 1 and time.time() < end
+        while (k >= 1 and not in_flight(self.cfg) and self._batches_left() > 1 and time.time() < end
                and burst_may_matter([m["version"] for m, _ in self.buffer.groups], self.pool.in_flight_versions(),
                                     U, self.version - k)):
             if not self._gather(0, timeout=BURST_GAP_S):  # want 0: takes back, hands nothing out
@@ -438,7 +438,9 @@ class Controller:
                     raise
                 training = self._start_training(self._without_lost(training.batch), training.sampled)
                 continue
+            self.counters["stale_masked_tokens"] += int(result["steps"][0].get("rollout/stale_masked_tokens", 0))
             for m, _ in training.batch:
+                self.counters["trained_group_tokens"] += m.get("tokens", 0)
                 self.record.add(m["epoch"], m["index"], m["version"])
                 self.log.group("trained", self.version, m["index"], m["epoch"], m["version"], cycle=self.cycle + 1,
                                tokens=m.get("tokens"), taken_at=m.get("taken_at"))
@@ -511,6 +513,7 @@ class Controller:
                            tokens=meta.get("tokens"), **times)
             if not admitted:
                 self.counters["groups_filtered"] += 1
+                self.counters["filtered_tokens"] += meta.get("tokens", 0)
         elif meta.get("fatal"):  # the function's answer has the wrong shape: every other row would fail the same way
             raise RewardContractError(meta["failure"])
         elif meta.get("no_reward"):  # the functions' answer, not a failure: recorded at once, never retried
@@ -583,9 +586,20 @@ class Controller:
         return {"t": time.time(), "workers": {s["worker"]: s for s in self.pool.stats()},
                 "dropped_tokens": self.counters["stale_dropped_tokens"]}
 
+    def _wasted_frac(self, stats: dict) -> float:
+        """rollout/wasted_frac, over the run so far: the tokens sampled that no training took (stopped mid-sampling
+        for staleness, dropped past the bound, filtered by dynamic sampling, masked as too old in a trained group)
+        over every token sampled into a group that was trained or thrown away (those buffered or sampling are
+        neither yet)."""
+        c = self.counters
+        stopped = sum(w.get("stale_sequence_steps", 0) for w in stats["workers"].values())
+        lost = stopped + c["stale_dropped_tokens"] + c["filtered_tokens"]
+        sampled = lost + c["trained_group_tokens"]
+        return (lost + c["stale_masked_tokens"]) / sampled if sampled else 0.0
+
     def _metrics(self, steps, batch, before, stage: Stages, sampled: dict) -> list[dict]:
         lags = Counter(self.version - 1 - m["version"] for m, _ in batch)
-        t = stage.seconds
+        t, now = stage.seconds, self._rollout_stats()
         extra = {
             "cycle": self.cycle, "generate_wait_s": t["collect"], "train_s": t["train"],
             "publish_s": t["publish"],  # export + publish
@@ -593,7 +607,8 @@ class Controller:
             "queue_depth": len(self.buffer) + self.pool.in_flight(), "prompts_in_flight": self.pool.in_flight(),
             "cluster/rollout_workers": self.pool.target, "cluster/scale_events": self.counters["scale_events"],
             "staleness_hist": {str(k): v for k, v in sorted(lags.items())},
-            **rollout_rates(before, self._rollout_stats()),
+            **rollout_rates(before, now), "rollout/wasted_frac": self._wasted_frac(now),
+            "rollout/prompts_never_trained": self.failures.never_trained(),
             **{f"count/{k}": v for k, v in self.counters.items()},
             **(sampled if self.cfg.grpo.dynamic_sampling else {}),
             **episode_metrics([m.get("episodes") for m, _ in batch]),

@@ -40,6 +40,10 @@ class FailureLog:
                 f"prompts, a whole generation cycle: nothing to train on (each recorded in {self.path}); allowed: "
                 "reward functions that return a number for at least some completions (None skips a sample)")
 
+    def never_trained(self) -> int:
+        """Prompts recorded here so far (each not trained in its epoch)."""
+        return len(self.failed)
+
     def reward_error(self, index: int, epoch: int, message: str) -> None:
         """A prompt out of retries: recorded; more than a quarter of the rows (at least 4) stops the run."""
         self._permanent(index, epoch, "reward_error", message)

@@ -287,6 +287,18 @@ class ClusterConfig(_Section):
     learner_resources: Resources = Field(default_factory=Resources, description="per learner process")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage")
     max_staleness: int = Field(0, ge=0, le=16, description="policy versions a group may lag; 0 = synchronous")
+    inflight_updates: bool = Field(
+        True, description="at max_staleness >= 1, a published version reaches the sequences already sampling at the "
+        "engine's next step (PipelineRL's in-flight weight updates, on vLLM's LoRA slot replaced in place or the merged "
+        "weights reloaded): no group is stopped or dropped for staleness, each completion token carries the version "
+        "that sampled it, and a token more than max_staleness versions behind the weights that train on it is masked "
+        "out of the loss (docs/grpo.md); false = a group finishes under the version it started with, and one past "
+        "the bound is stopped and sampled again (the transformers engine always works so)")
+    inflight_kv: Literal["recompute", "keep"] = Field(
+        "recompute", description="in flight, the KV cache of the sequences running at a publish: recompute = computed "
+        "again under the new weights (vLLM preempts and resumes them: each token's sampler log-prob is exactly the "
+        "new policy's); keep = kept (PipelineRL's way: no recomputation, the tokens after the publish attend to keys "
+        "and values of the older weights, which their sampler log-probs and TIS account for)")
     rollout_prompts_in_flight: int | None = Field(
         None, ge=1, description="prompts kept in each rollout engine at once; null = the engine's throughput plateau: "
         "vllm_max_num_seqs, else 256 sequences on a GPU (128 on a CPU), over num_generations; with tools or an "
@@ -342,6 +354,10 @@ class ClusterConfig(_Section):
 
     @model_validator(mode="after")
     def _oversample_needs_a_bound(self) -> ClusterConfig:
+        if self.rollout_oversample_prompts not in (0, "auto") and self.max_staleness >= 1 and self.inflight_updates:
+            raise ValueError(f"cluster.rollout_oversample_prompts = {self.rollout_oversample_prompts} with "
+                             "cluster.inflight_updates: true: no group is stopped for staleness, so none needs a stand-in;"
+                             " allowed: 0 or auto, or inflight_updates: false")
         if self.rollout_oversample_prompts not in (0, "auto") and self.max_staleness == 0:
             raise ValueError(f"cluster.rollout_oversample_prompts = {self.rollout_oversample_prompts} with "
                              "cluster.max_staleness = 0: a synchronous cycle trains every group it hands out; "

@@ -46,12 +46,20 @@ def prompts_ahead(cfg) -> int:
     return BatchPlan.from_config(cfg).unique_prompts * (c.max_staleness + 1) + oversample_prompts(cfg)
 
 
+def in_flight(cfg) -> bool:
+    """A published version reaches the requests already sampling (cluster.inflight_updates at max_staleness >= 1, on
+    vLLM): no group is stopped or dropped for staleness, the learner masks the tokens too old for it."""
+    c = cfg.cluster
+    return c.inflight_updates and c.max_staleness >= 1 and cfg.model.fast_inference
+
+
 def oversample_prompts(cfg) -> int:
     """Prompts out beyond the staleness bound (`cluster.rollout_oversample_prompts`): as set, or for auto as many as
     keep the plateau's prompts out while a batch trains. Then the bound lets out max_staleness batches, and at a long
     tail most of those places are held by groups the bound will stop (at max_staleness 1, 13-16 of a batch's 16 at the
     1.5B long tail: bench/results/e2e_gpu_scale.md), so the next batch is sampled after the training, not beside it.
-    None at max_staleness 0 (a synchronous cycle trains all it hands out), with tools (the bound lets out every
+    None at max_staleness 0 (a synchronous cycle trains all it hands out), with in-flight updates (no group is
+    stopped: cluster.inflight_updates), with tools (the bound lets out every
     episode the engine can hold already: `prompts_in_flight`), or on a CPU, whose engine has no plateau: each
     sequence more slows the others, so the over-sampled prompts make every group slower to come back (on a 2-core
     CPU the cpu_longtail bench at k = 1 with 12 over-sampled saw 10 of its 32 prompts go twice past the bound within
@@ -59,7 +67,7 @@ def oversample_prompts(cfg) -> int:
     c = cfg.cluster
     if c.rollout_oversample_prompts != "auto":
         return c.rollout_oversample_prompts
-    if c.max_staleness == 0 or episodes_call_tools(cfg) or c.rollout_resources.num_gpus == 0:
+    if c.max_staleness == 0 or in_flight(cfg) or episodes_call_tools(cfg) or c.rollout_resources.num_gpus == 0:
         return 0
     return max(0, plateau_prompts(cfg) - BatchPlan.from_config(cfg).unique_prompts * c.max_staleness)
 

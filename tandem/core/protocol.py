@@ -35,7 +35,7 @@ class RolloutGroup:
     sampler_logprobs: np.ndarray  # float32, aligned with tokens: the sampler's processed log-prob
     eos: np.ndarray  # bool [G]: finished by EOS (False = truncated at max_completion_length)
     rewards: np.ndarray  # float32 [G, F]: one column per reward function, NaN where it returned None
-    version: int  # policy version (published adapter count) the engine sampled with
+    version: int  # policy version (published adapter count) the engine sampled with: the first, in flight
     worker: int = -1
     timings: dict[str, float] = field(default_factory=dict)  # queue_s, generate_s, score_s
     columns: dict[str, Any] = field(default_factory=dict)
@@ -45,6 +45,9 @@ class RolloutGroup:
     # multi-turn episodes: per episode turns, tool_calls, tool_failures, ended (an index of
     # tandem.rollout.episodes.ENDINGS), and the group's tool_s (rollout/episodes.py, episode_stats); None: single-turn
     episodes: dict | None = None
+    # int32, aligned with tokens: the version that sampled each token (in-flight updates: a publish reached the
+    # request mid-sequence); None: every token is `version`'s
+    token_versions: np.ndarray | None = None
 
     @property
     def num_generations(self) -> int:
@@ -55,6 +58,18 @@ class RolloutGroup:
 
     def completion_logprobs(self, g: int) -> np.ndarray:
         return self.sampler_logprobs[self.offsets[g] : self.offsets[g + 1]]
+
+    def completion_versions(self, g: int) -> np.ndarray:
+        """int32 [L]: the version that sampled each of completion g's tokens."""
+        if self.token_versions is None:
+            return np.full(int(self.offsets[g + 1] - self.offsets[g]), self.version, dtype=np.int32)
+        return self.token_versions[self.offsets[g] : self.offsets[g + 1]]
+
+    @property
+    def newest_version(self) -> int:
+        """The newest version among its tokens (the one it finished under)."""
+        tv = self.token_versions
+        return int(tv.max()) if tv is not None and len(tv) else self.version
 
     def completion_loss_mask(self, g: int) -> np.ndarray:
         """bool [L]: which of completion g's tokens the loss sees (the model's own)."""
@@ -96,7 +111,12 @@ def group_meta(r: RolloutGroup | RolloutFailure, informative: bool = True) -> di
     its rewards differ (tandem.core.shaping.is_informative), for dynamic sampling."""
     if isinstance(r, RolloutFailure):
         return {"failure": r.message, "no_reward": r.no_reward, "fatal": r.fatal, "stale_version": r.stale_version}
-    meta = {"version": r.version, "tokens": int(len(r.tokens)), "group_id": r.group_id, "informative": informative}
+    # version: the one it finished under, which the staleness bound reads (in flight, its older tokens are the
+    # learner's to mask); first_version: the one it started with
+    meta = {"version": r.newest_version, "first_version": r.version, "tokens": int(len(r.tokens)),
+            "group_id": r.group_id, "informative": informative,
+            "inflight_updated": 0 if r.token_versions is None else int(sum(
+                len(np.unique(r.completion_versions(g))) > 1 for g in range(r.num_generations)))}
     if r.episodes is not None:
         meta["episodes"] = r.episodes
     return meta

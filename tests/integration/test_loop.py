@@ -88,7 +88,8 @@ def test_a_take_inside_a_burst_waits_for_the_older_groups_still_coming_back(ray_
     (versions 1 and 2) and a version-1 group is in flight. Coming back within the burst's gap, it is taken and the
     version-2 group waits in the buffer for the next batch (which may take it), where a take without the wait would
     have left it to be dropped. Still sampling past the wait, the take goes on without it; with no group of
-    version 1 in flight, the take does not wait at all. (The gap is widened here: what is tested is the rule,
+    version 1 in flight, the take does not wait at all. Groups finishing whole (cluster.inflight_updates: false): in
+    flight a group finishes under the newest version and no take waits. (The gap is widened here: what is tested is the rule,
     not Ray's milliseconds on a loaded CPU.)"""
     import numpy as np
 
@@ -111,7 +112,7 @@ def test_a_take_inside_a_burst_waits_for_the_older_groups_still_coming_back(ray_
             return {"version": 1, "tokens": 8, "group_id": item.group_id}, "group"
 
     def take(delay_ms: int, in_flight_version: int) -> tuple[list, list, float]:
-        ctl = Controller(loop_job(tmp_path, tiny_model, 1))
+        ctl = Controller(loop_job(tmp_path, tiny_model, 1, cluster={"inflight_updates": False}))
         ctl.buffer, ctl.progress.version, ctl.progress.total_cycles = GroupBuffer(1, 16), 2, 5
         ctl.failures = FailureLog(tmp_path / "failed.jsonl", ctl.cfg.rewards, 2, 16)
         ctl.pool = RolloutPool(lambda i: (lambda a: (a, a.setup.remote()))(BurstWorker.remote()), 1, Counter())

@@ -183,10 +183,13 @@ def test_cluster_settings_reach_the_job_from_the_command_line(e2e, tmp_path):
     args = SimpleNamespace(workload="cpu", rollout_gpus=1, learner_gpus=1, vllm_memory=None, dir=str(tmp_path))
     paths = {"model": str(tmp_path / "model"), "data": str(tmp_path / "data.jsonl")}
     wl = e2e.workload(e2e.WORKLOADS, "cpu", ["rollout_prompts_in_flight=24", "learner_sm_carveout=16",
-                                             "rollout_oversample_prompts=16", "vllm_max_num_seqs=256"])
+                                             "rollout_oversample_prompts=16", "vllm_max_num_seqs=256",
+                                             "inflight_updates=false", "inflight_kv=keep"])
     cluster = e2e.tandem_config(paths, wl, 1, args).cluster
     assert (cluster.rollout_prompts_in_flight, cluster.learner_sm_carveout, cluster.max_staleness) == (24, 16, 1)
     assert (cluster.rollout_oversample_prompts, cluster.vllm_max_num_seqs) == (16, 256)
+    assert (cluster.inflight_updates, cluster.inflight_kv) == (False, "keep")
     default = e2e.tandem_config(paths, e2e.workload(e2e.WORKLOADS, "cpu", []), 1, args).cluster
     assert (default.rollout_prompts_in_flight, default.learner_sm_carveout) == (None, "auto")
     assert (default.rollout_oversample_prompts, default.vllm_max_num_seqs) == (0, None)
+    assert (default.inflight_updates, default.inflight_kv) == (True, "recompute")

@@ -256,7 +256,11 @@ def test_oversampling_needs_a_staleness_bound(job_files):
     with pytest.raises(JobConfigError, match=r"cluster.rollout_oversample_prompts = 8 with cluster.max_staleness = 0"
                                              r".*allowed: 0 or auto, or max_staleness >= 1"):
         load(d)
-    d["cluster"]["max_staleness"] = 1
+    d["cluster"]["max_staleness"] = 1  # in flight (the default) no group is stopped: nothing to stand in for
+    with pytest.raises(JobConfigError, match=r"cluster.rollout_oversample_prompts = 8 with cluster.inflight_updates: "
+                                             r"true.*allowed: 0 or auto, or inflight_updates: false"):
+        load(d)
+    d["cluster"]["inflight_updates"] = False
     assert load(d).cluster.rollout_oversample_prompts == 8
     d["cluster"]["rollout_oversample_prompts"] = -1
     with pytest.raises(JobConfigError, match=r"cluster.rollout_oversample_prompts = -1; allowed: an int >= 0 or auto"):

@@ -49,7 +49,11 @@ def test_kv_bytes_per_token_are_what_the_models_cache_holds():
 
 
 def job(gpus=1.0, share="auto", ga=16, **cluster):
+    """Over-sampling is the setting where a group finishes under its own version (cluster.inflight_updates: false)."""
     from tandem.core.config import JobConfig
+
+    if "rollout_oversample_prompts" in cluster:
+        cluster.setdefault("inflight_updates", False)
 
     return JobConfig.from_dict({
         "model": {"path": "m", "dtype": "bfloat16"}, "data": {"path": "d.jsonl"}, "rewards": ["r:f"],
@@ -127,6 +131,8 @@ def test_auto_over_sampling_keeps_the_plateaus_prompts_out_while_a_batch_trains(
     assert oversample_prompts(big) == 0 and engine_max_num_seqs(big) is None
     # a plateau of 512 sequences (64 groups) at k = 2: 64 - 2 x 16
     assert oversample_prompts(job(max_staleness=2, rollout_oversample_prompts="auto", vllm_max_num_seqs=512)) == 32
+    # in flight (the default) no group is stopped: none to stand in for
+    assert oversample_prompts(job(max_staleness=1, rollout_oversample_prompts="auto", inflight_updates=True)) == 0
     # a CPU engine has no plateau: none
     assert oversample_prompts(job(gpus=0, max_staleness=1, rollout_oversample_prompts="auto")) == 0
     # with tools the bound already lets out every episode the engine holds
