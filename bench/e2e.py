@@ -580,6 +580,16 @@ def measure_tandem(cfg, wl, gpu: bool, address: str | None = None) -> dict:
         # over the measured steps: the share of the engines' sequence steps that went to groups stopped past the
         # bound, their steps a second of busy time, the sequences a step carried (None: an engine without steps)
         "stale_waste_frac": engines["rollout/stale_waste_frac"],
+        # what was trained, not only sampled (docs/grpo.md §6): the run's share of sampled tokens no training took (at
+        # its last measured step), each trained token's version lag, sequences updated in flight, prompts never trained,
+        # and the tokens the loss saw per completion trained
+        "wasted_frac": rows[-1].get("rollout/wasted_frac"), "version_lag_mean": med("rollout/version_lag"),
+        "version_lag_max": top("rollout/version_lag_max"),
+        "inflight_updated": sum(s.get("rollout/inflight_updated", 0) for s in rows),
+        "prompts_never_trained": top("rollout/prompts_never_trained"),
+        "trained_tokens_per_completion": (sum(s["rollout/trained_tokens"] for s in rows) /
+                                          (wl["prompts"] * wl["num_generations"] * len(rows))
+                                          if all("rollout/trained_tokens" in s for s in rows) else None),
         "engine_steps_per_s": engines.get("rollout/engine_steps_per_s"),
         "sequences_per_step": engines.get("rollout/sequences_per_step"),
         # at a step's record, the most prompts in the engines and the most out (in them or finished, not yet trained)
@@ -1018,6 +1028,10 @@ def stale_counts(run: dict) -> str:
     return counts if waste is None else f"{counts} ({waste:.0%} of the engine)"
 
 
+def pct(v: float | None) -> str:
+    return "—" if v is None else f"{v:.1%}"
+
+
 def table(out_dir: Path, names: list[str], ceiling: str | None, peer: str,
           k0: Path | None = None, elsewhere: dict[str, Path] | None = None) -> tuple[str, dict]:
     """k0: the `max_staleness: 0` run the efficiencies are read against, where it is not among these (another
@@ -1038,8 +1052,9 @@ def table(out_dir: Path, names: list[str], ceiling: str | None, peer: str,
     # completions': the candidates may train different mixes of lengths)
     lines = ["| candidate | s/step | gen s/step | train s/step | pipeline efficiency | (by tokens) | engine × alone "
              "| learner × alone | completions/s | × " + ASYNC_PEER + " | × " + peer + " | gen tok/s | tok × " + ASYNC_PEER
-             + " | × ceiling | GPU busy | peak GPU GiB | publish s | stale stopped / dropped / failed |" + extra,
-             "|" + " --- |" * (21 if cpu else 18)]
+             + " | × ceiling | GPU busy | peak GPU GiB | publish s | stale stopped / dropped / failed | wasted "
+             "| trained tok / completion | lag mean / max | updated in flight |" + extra,
+             "|" + " --- |" * (25 if cpu else 22)]
     for n, r in c.items():
         x_peer = r["completions_per_s"] / c[peer]["completions_per_s"] if peer in c else None
         x_async = r["completions_per_s"] / c[ASYNC_PEER]["completions_per_s"] if ASYNC_PEER in c else None
@@ -1053,7 +1068,10 @@ def table(out_dir: Path, names: list[str], ceiling: str | None, peer: str,
                f"{fmt(r['completions_per_s'], 1)} | {fmt(x_async)} | {fmt(x_peer)} | "
                f"{fmt(r.get('gen_tokens_per_s'), 0)} | {fmt(tok_async)} | {fmt(x_ceil)} | "
                f"{fmt(r.get('gpu_busy_frac'))} | "
-               f"{fmt(r.get('peak_gpu_gib'), 1)} | {fmt(r.get('publish_latency_s'), 3)} | {stale_counts(r)} |")
+               f"{fmt(r.get('peak_gpu_gib'), 1)} | {fmt(r.get('publish_latency_s'), 3)} | {stale_counts(r)} | "
+               f"{pct(r.get('wasted_frac'))} | {fmt(r.get('trained_tokens_per_completion'), 0)} | "
+               f"{fmt(r.get('version_lag_mean'))} / {fmt(r.get('version_lag_max'), 0)} | "
+               f"{fmt(r.get('inflight_updated'), 0)} |")
         if cpu:
             row += (f" {fmt(r.get('launch_to_first_step_s'), 1)} | {fmt(r.get('pss_gb'))} |"
                     f" {fmt(r.get('cores_busy'))} |")

@@ -17,6 +17,7 @@ import torch
 
 from tandem.core.checks import check_learner_device, check_shared_dir, model_error, raise_on_node
 from tandem.core.compat import before_deepspeed_init, set_distributed_env
+from tandem.core.engine_memory import in_flight
 from tandem.core.plan import BatchPlan
 from tandem.kernels.logprobs import TisFromLogp
 from tandem.learner import checkpoint_io
@@ -31,7 +32,7 @@ from tandem.learner.grpo import (
     token_term_params,
     with_overlong_column,
 )
-from tandem.learner.layout import Launch, Layout, decide_layout, training_flops
+from tandem.learner.layout import Launch, Layout, decide_layout, step_flops, training_flops
 from tandem.learner.logprobs import completion_grpo_loss, completion_logprobs
 from tandem.learner.metrics import (
     accumulate,
@@ -263,7 +264,8 @@ class Learner:
         if len(groups) != plan.unique_prompts:
             raise ValueError(f"Learner.train: {len(groups)} groups; the batch plan needs {plan.unique_prompts}")
         _check_token_ids(groups, self.model.get_input_embeddings().num_embeddings)
-        s = Samples.from_groups(groups, self.version, cfg.cluster.max_staleness)
+        # in flight the bound is on tokens (docs/grpo.md §6); otherwise the controller bounds whole groups
+        s = Samples.from_groups(groups, self.version, cfg.cluster.max_staleness if in_flight(cfg) else None)
         lengths = torch.tensor([len(c) for c in s.completions])
         rewards, weights = with_overlong_column(torch.from_numpy(s.rewards), lengths, cfg.column_weights(), g,
                                                 cfg.generation.max_completion_length)
@@ -395,13 +397,17 @@ class Learner:
 
     def _throughput(self, tokens: int, pairs: int, seconds: float) -> dict:
         """learner/tokens_per_s: prompt + completion tokens through this rank's training passes per second;
-        learner/mfu: their training_flops per second over the GPU's dense bf16 peak (the old-log-prob forward not
-        counted), None where the peak is not known (CPU)."""
+        learner/mfu: the FLOPs those passes do (step_flops: LoRA's frozen weights take no weight gradient, a
+        checkpointed forward runs twice) per second over the GPU's dense bf16 peak; learner/mfu_6n: the 6·N
+        convention's (training_flops), as verl and nanoGPT report it. The old-log-prob forward is in neither. None
+        where the peak is not known (CPU)."""
         s = max(seconds, 1e-9)
         lay = self.layout
-        flops = training_flops(lay.n_params, tokens, pairs, lay.pair_flops)
+        done = step_flops(lay.matmul_params, tokens, pairs, lay.pair_flops, lay.checkpointing)
+        six_n = training_flops(lay.n_params, tokens, pairs, lay.pair_flops)
         return {"learner/tokens_per_s": tokens / s,
-                "learner/mfu": (flops / s / lay.peak_flops) if lay.peak_flops else None}
+                "learner/mfu": (done / s / lay.peak_flops) if lay.peak_flops else None,
+                "learner/mfu_6n": (six_n / s / lay.peak_flops) if lay.peak_flops else None}
 
     # ---------------------------------------------------------------------- publish, save
 

@@ -28,9 +28,10 @@ class Layout:
     liger: bool  # Liger's layers in the model
     sm_carveout: int | None  # SMs the rank's matmuls leave to a rollout engine on its GPU (learner/sm_carveout.py)
     pad_id: int
-    n_params: int  # every parameter, full sizes under ZeRO-3 (learner/mfu's 6·N per token)
+    n_params: int  # every parameter, full sizes under ZeRO-3 (learner/mfu_6n's 6·N per token)
     peak_flops: float | None  # the GPU's dense bf16 peak; None off a known GPU
     pair_flops: int  # attention's FLOPs per (query, key) pair (0 where the shape is not known)
+    matmul_params: tuple[int, int] = (0, 0)  # (every Linear layer's weights, those trained): learner/mfu's count
     engine_shared_gib: float = 0.0  # frozen weights read from a colocated engine, not held (learner/shared_weights.py)
 
 
@@ -61,6 +62,7 @@ def decide_layout(cfg, model, device, held_before: int = 0, shared: int = 0) -> 
                   sm_carveout=apply_carveout(cfg.cluster, device) if cuda else None,
                   pad_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
                   n_params=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
+                  matmul_params=matmul_params(model),
                   peak_flops=peak_flops(device), pair_flops=attention_flops_per_pair(mc),
                   engine_shared_gib=shared / 2**30)
 
@@ -77,10 +79,35 @@ def attention_flops_per_pair(mc: dict | None) -> int:
 
 
 def training_flops(n_params: int, tokens: int, pairs: int, pair_flops: int) -> int:
-    """A training pass's FLOPs, forward and backward, as verl's flops counter and nanoGPT's estimate_mfu count them:
+    """A training pass's FLOPs by the 6·N convention (verl's flops counter, nanoGPT's estimate_mfu; learner/mfu_6n):
     6 per parameter per token (N all parameters, embeddings included, and for LoRA as if the frozen weights took
     gradients too) plus attention's, `pairs` = Σ s² over the sequences (non-causal count, as both)."""
     return 6 * n_params * tokens + pair_flops * pairs
+
+
+def matmul_params(model) -> tuple[int, int]:
+    """(the weights of every Linear layer, the lm_head and LoRA's A and B included; those that take a gradient):
+    what a token's matmuls read. An embedding is a lookup, no matmul (tied, its matrix is counted once, as the
+    lm_head's)."""
+    total = trained = 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            n = getattr(m.weight, "ds_numel", m.weight.numel())
+            total += n
+            trained += n if m.weight.requires_grad else 0
+    return total, trained
+
+
+def step_flops(matmul: tuple[int, int], tokens: int, pairs: int, pair_flops: int, checkpointing: bool) -> int:
+    """A training pass's FLOPs as it runs (learner/mfu; docs/benchmarks.md "MFU"): per token 2 per matmul weight
+    forward, 2 backward for the activations' gradient, 2 more for the weights that take a gradient (LoRA: A and B,
+    not the frozen base), and the forward again under gradient checkpointing; attention's two matmuls likewise (4 per
+    pair forward, 8 backward, 4 recomputed). For full fine-tuning without checkpointing that is the 6·N count less
+    the embeddings; for LoRA about 4·N."""
+    total, trained = matmul
+    again = 1 if checkpointing else 0
+    per_token = (4 + 2 * again) * total + 2 * trained
+    return per_token * tokens + (pair_flops + pair_flops // 3 * again) * pairs
 
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12}

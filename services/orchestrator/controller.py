@@ -510,7 +510,7 @@ class Controller:
             times = {"handed_out_at": it.queued_at, "returned_at": time.time()}  # run_log.sampling_times
             admitted = self.buffer.admit(dict(meta, index=it.index, epoch=it.epoch, **times), ref)
             self.log.group("returned" if admitted else "filtered", self.version, it.index, it.epoch, meta["version"],
-                           tokens=meta.get("tokens"), **times)
+                           tokens=meta.get("tokens"), **times, **in_flight_versions(meta))
             if not admitted:
                 self.counters["groups_filtered"] += 1
                 self.counters["filtered_tokens"] += meta.get("tokens", 0)
@@ -740,6 +740,14 @@ class Controller:
             self.learner.shutdown()
         if self.cfg.cluster.autoscale:
             request_rollout_resources(0, {}, [])  # the job's request withdrawn: its nodes may go once idle
+
+
+def in_flight_versions(meta: dict) -> dict:
+    """A group's versions for its trace line where a publish reached it while sampling: the one it started on, and
+    each completion's versions (those that sampled its tokens)."""
+    if "completion_versions" not in meta:
+        return {}
+    return {"first_version": meta["first_version"], "completion_versions": meta["completion_versions"]}
 
 
 def parts_state(st: dict, rows: int) -> dict:

@@ -117,6 +117,9 @@ def group_meta(r: RolloutGroup | RolloutFailure, informative: bool = True) -> di
             "group_id": r.group_id, "informative": informative,
             "inflight_updated": 0 if r.token_versions is None else int(sum(
                 len(np.unique(r.completion_versions(g))) > 1 for g in range(r.num_generations)))}
+    if r.token_versions is not None:  # each completion's versions, first to last (logging.group_trace)
+        meta["completion_versions"] = [sorted({int(v) for v in r.completion_versions(g)})
+                                       for g in range(r.num_generations)]
     if r.episodes is not None:
         meta["episodes"] = r.episodes
     return meta

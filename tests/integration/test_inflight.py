@@ -2,6 +2,7 @@
 sequences already sampling, each token carries the version that sampled it and that version's log-prob, and at
 max_staleness 1 no group is stopped, no prompt is trained twice or left untrained (docs/grpo.md §3)."""
 
+import json
 import time
 
 import numpy as np
@@ -93,7 +94,8 @@ def test_k1_on_a_long_tail_stops_nothing_and_trains_every_prompt_once(ray_sessio
     from tests.integration.test_loop import check_accounting, loop_job
 
     cycles = 5
-    cfg = loop_job(tmp_path, tiny_model, 1, batch={"max_steps": cycles}, generation={"max_completion_length": 200})
+    cfg = loop_job(tmp_path, tiny_model, 1, batch={"max_steps": cycles}, generation={"max_completion_length": 200},
+                   logging={"group_trace": True})
     ctl = started(Controller(cfg))
     steps = []
     for _ in range(cycles):
@@ -108,3 +110,7 @@ def test_k1_on_a_long_tail_stops_nothing_and_trains_every_prompt_once(ray_sessio
     assert len(ctl.seen) == cycles * ctl.plan.unique_prompts
     check_accounting(ctl, 16)
     ctl.shutdown()
+    # the group trace says each completion's versions: some crossed a publish
+    lines = [json.loads(x) for x in (tmp_path / "run" / "group_trace.jsonl").read_text().splitlines()]
+    crossed = [v for g in lines if g["event"] == "returned" for v in g.get("completion_versions", []) if len(v) > 1]
+    assert crossed and all(v == list(range(v[0], v[0] + len(v))) for v in crossed)  # one publish after another

@@ -331,3 +331,25 @@ def test_a_name_trls_grpoconfig_lacks_is_pythons_type_error_and_every_name_it_ha
     assert len(dataclasses.fields(trl.GRPOConfig)) > 150  # the walk saw TRL's fields, not an empty class
     with pytest.raises(JobConfigError, match=r"lerning_rate=1e-05 \(unknown GRPOConfig name\)"):
         JobConfig.from_trl({"lerning_rate": 1e-5}, model={"path": "m"}, data={"path": "d.jsonl"}, rewards=["r.py:f"])
+
+
+def test_every_error_the_docs_name_is_importable_from_tandem_and_caught_as_tandem_error():
+    """docs/trl.md promises `tandem.TandemError` and names its subclasses: each is `from tandem import X`, each is a
+    TandemError, and `except tandem.TandemError` catches what a bad job raises (not an AttributeError that hides it)."""
+    import re
+
+    import tandem
+    from tests.helpers import ROOT
+
+    text = (ROOT / "docs" / "trl.md").read_text()
+    said = re.search(r"`tandem\.TandemError` subclass \(([^)]*)\)", text).group(1)
+    names = re.findall(r"`(\w+Error)`", said)
+    assert len(names) >= 5, names
+    for name in ["TandemError", *names]:
+        assert issubclass(getattr(tandem, name), tandem.TandemError), name
+    with pytest.raises(tandem.TandemError, match="batch.num_generations"):
+        JobConfig.from_dict({"model": {"path": "m"}, "data": {"path": "d"}, "rewards": ["r:f"],
+                             "batch": {"num_generations": 1}})
+    # importing the errors stays light: no torch, no transformers
+    code = "import sys, tandem; from tandem import TandemError; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

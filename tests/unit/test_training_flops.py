@@ -46,3 +46,38 @@ def test_a_config_without_a_shape_counts_no_attention():
                                                 num_key_value_heads=2).to_dict()) == 12 * 3 * 64
     assert attention_flops_per_pair({"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3,
                                      "head_dim": 32}) == 12 * 3 * 4 * 32
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_learner_mfu_counts_what_a_lora_step_does_as_torch_counts_it(checkpointing):
+    """learner/mfu's count (step_flops) for LoRA on every linear layer, against torch's counter on a real forward and
+    backward: the frozen base takes no weight gradient (about 4·N a token, not the 6·N of learner/mfu_6n), a
+    checkpointed forward runs twice. What torch does not do that the count assumes: the first layer's q, k, v read
+    the embeddings, which need no gradient (their activation gradient is skipped): within 3% at 6 layers."""
+    from peft import LoraConfig, get_peft_model
+
+    from tandem.learner.layout import matmul_params, step_flops
+
+    cfg = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=False, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = get_peft_model(Qwen2ForCausalLM(cfg), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model.train()
+    lengths = [64, 31]
+    counter = FlopCounterMode(display=False)
+    with counter:
+        for s in lengths:
+            model(torch.randint(0, 300, (1, s))).logits.float().sum().backward()
+    counted = counter.get_total_flops()
+    total, trained = matmul_params(model)
+    assert 0 < trained < total / 5  # A and B, not the base
+    ours = step_flops((total, trained), sum(lengths), sum(s * s for s in lengths),
+                      attention_flops_per_pair(cfg.to_dict()), checkpointing)
+    assert ours == pytest.approx(counted, rel=0.03)
+    six_n = training_flops(sum(p.numel() for p in model.parameters()), sum(lengths), sum(s * s for s in lengths),
+                           attention_flops_per_pair(cfg.to_dict()))
+    if not checkpointing:
+        assert six_n > 1.25 * counted  # the convention overstates what a LoRA step does
