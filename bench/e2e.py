@@ -439,7 +439,7 @@ def tandem_config(paths, wl, k, args, mode="server", vllm=True):
                     # each where the workload sets it, else Tandem's default
                     **{k: wl[k] for k in ("learner_sm_carveout", "vllm_merge_adapter", "rollout_prompts_in_flight",
                                           "rollout_oversample_prompts", "vllm_max_num_seqs", "inflight_updates",
-                                          "inflight_kv") if k in wl}},
+                                          "inflight_kv", "max_token_lag") if k in wl}},
         # group_trace: what became of each group (bench/results keep it beside the run's JSON)
         "logging": {"output_dir": str(Path(args.dir) / f"run-k{k}"), "progress": False, "group_trace": True},
     })

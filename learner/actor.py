@@ -17,7 +17,7 @@ import torch
 
 from tandem.core.checks import check_learner_device, check_shared_dir, model_error, raise_on_node
 from tandem.core.compat import before_deepspeed_init, set_distributed_env
-from tandem.core.engine_memory import in_flight
+from tandem.core.engine_memory import token_lag_bound
 from tandem.core.plan import BatchPlan
 from tandem.kernels.logprobs import TisFromLogp
 from tandem.learner import checkpoint_io
@@ -265,7 +265,7 @@ class Learner:
             raise ValueError(f"Learner.train: {len(groups)} groups; the batch plan needs {plan.unique_prompts}")
         _check_token_ids(groups, self.model.get_input_embeddings().num_embeddings)
         # in flight the bound is on tokens (docs/grpo.md §6); otherwise the controller bounds whole groups
-        s = Samples.from_groups(groups, self.version, cfg.cluster.max_staleness if in_flight(cfg) else None)
+        s = Samples.from_groups(groups, self.version, token_lag_bound(cfg))
         lengths = torch.tensor([len(c) for c in s.completions])
         rewards, weights = with_overlong_column(torch.from_numpy(s.rewards), lengths, cfg.column_weights(), g,
                                                 cfg.generation.max_completion_length)

@@ -294,6 +294,11 @@ class ClusterConfig(_Section):
         "that sampled it, and a token more than max_staleness versions behind the weights that train on it is masked "
         "out of the loss (docs/grpo.md); false = a group finishes under the version it started with, and one past "
         "the bound is stopped and sampled again (the transformers engine always works so)")
+    max_token_lag: int | None = Field(
+        None, ge=0, le=64, description="in flight, a token sampled more than this many versions before the weights that "
+        "train on it is masked out of the loss (never its group); null = max_staleness + 1 (the batches max_staleness "
+        "lets ahead, plus the one publish a sequence still sampling at its batch's take may cross; at max_staleness 1 "
+        "a bound of 1 masked 27% of the 1.5B long tail's tokens: docs/benchmarks.md)")
     inflight_kv: Literal["recompute", "keep"] = Field(
         "recompute", description="in flight, the KV cache of the sequences running at a publish: recompute = computed "
         "again under the new weights (vLLM preempts and resumes them: each token's sampler log-prob is exactly the "

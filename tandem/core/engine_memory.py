@@ -53,6 +53,16 @@ def in_flight(cfg) -> bool:
     return c.inflight_updates and c.max_staleness >= 1 and cfg.model.fast_inference
 
 
+def token_lag_bound(cfg) -> int | None:
+    """In flight, the most versions a trained token may lag the weights that train on it (`cluster.max_token_lag`;
+    null = max_staleness + 1: the k batches the bound lets ahead, plus the one publish that a sequence still
+    sampling when its batch is taken may have crossed); None where the controller bounds whole groups."""
+    if not in_flight(cfg):
+        return None
+    c = cfg.cluster
+    return c.max_staleness + 1 if c.max_token_lag is None else c.max_token_lag
+
+
 def oversample_prompts(cfg) -> int:
     """Prompts out beyond the staleness bound (`cluster.rollout_oversample_prompts`): as set, or for auto as many as
     keep the plateau's prompts out while a batch trains. Then the bound lets out max_staleness batches, and at a long

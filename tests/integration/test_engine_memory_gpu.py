@@ -61,7 +61,8 @@ def test_over_sampled_prompts_wait_in_vllms_queue_past_the_plateau_and_leave_the
             "cluster": {"rollout_resources": {"num_gpus": 1}, "vllm_enforce_eager": True, "max_staleness": 1,
                         "vllm_max_num_seqs": None, **cluster}})
 
-    over, plain = job(rollout_oversample_prompts=16), job()
+    # over-sampling is the setting where groups finish whole (in flight none is stopped: nothing to stand in for)
+    over, plain = job(rollout_oversample_prompts=16, inflight_updates=False), job(inflight_updates=False)
     assert sequences_in_engine(plain) == plateau_prompts(plain) * 8  # the premise: without it, at the plateau
     mc = language_model_config(tiny_model)
     assert engine_kv_bytes(over, mc) == engine_kv_bytes(plain, mc)
