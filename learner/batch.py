@@ -30,10 +30,10 @@ class Samples:
     stale_tokens: int = 0  # the model's tokens masked for being too old for the weights that train on them
 
     @classmethod
-    def from_groups(cls, groups: list[RolloutGroup], version: int | None = None, max_staleness: int | None = None
+    def from_groups(cls, groups: list[RolloutGroup], version: int | None = None, max_lag: int | None = None
                     ) -> Samples:
-        """version, max_staleness: the weights that train on these groups and the bound: a token sampled more than
-        max_staleness versions before `version` leaves the loss (token_bound; docs/grpo.md §3)."""
+        """version, max_lag: the weights that train on these groups and the token bound (cluster.max_token_lag): a token
+        sampled more than max_lag versions before `version` leaves the loss (token_bound; docs/grpo.md §6)."""
         p, c, s, e, r, v, m, o, tv = [], [], [], [], [], [], [], [], []
         stale = 0
         for g in groups:
@@ -44,8 +44,8 @@ class Samples:
                 s.append(g.completion_logprobs(k))
                 tv.append(g.completion_versions(k))
                 mask = g.completion_loss_mask(k)
-                if version is not None and max_staleness is not None:
-                    fresh = token_bound(tv[-1], version, max_staleness)
+                if version is not None and max_lag is not None:
+                    fresh = token_bound(tv[-1], version, max_lag)
                     stale += int((mask & ~fresh).sum())
                     mask = mask & fresh
                 m.append(mask)
@@ -66,9 +66,9 @@ class Samples:
         return int(sum(self.loss_masks[i].sum() for i in rows if self.trained(i, mask_truncated)))
 
 
-def token_bound(versions: np.ndarray, version: int, max_staleness: int) -> np.ndarray:
-    """bool: the tokens the weights of `version` may train on, those sampled at most max_staleness versions before."""
-    return version - np.asarray(versions) <= max_staleness
+def token_bound(versions: np.ndarray, version: int, max_lag: int) -> np.ndarray:
+    """bool: the tokens the weights of `version` may train on, those sampled at most max_lag versions before."""
+    return version - np.asarray(versions) <= max_lag
 
 
 def collate(s: Samples, rows, advantages: torch.Tensor, *, pad_id: int, mask_truncated: bool,

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from tandem.core.config import JobConfigError
-from tandem.core.engine_memory import in_flight, oversample_prompts
+from tandem.core.engine_memory import oversample_prompts
 from tandem.core.errors import RewardContractError
 from tandem.core.plan import BatchPlan
 from tandem.core.protocol import errors_as_text
@@ -53,9 +53,6 @@ from tandem.services.orchestrator.evaluator import Evaluator
 from tandem.services.orchestrator.failures import FailureLog
 from tandem.services.orchestrator.group_buffer import GroupBuffer
 from tandem.services.orchestrator.pipeline import (
-    BURST_GAP_S,
-    BURST_MAX_S,
-    burst_may_matter,
     prompts_wanted,
     trained_ahead_allowed,
 )
@@ -376,20 +373,8 @@ class Controller:
         return self._take(), sampled
 
     def _take(self) -> list:
-        """The next batch from the buffer, once the rest of a burst of groups coming back is in, where it may matter
-        (services/orchestrator/pipeline.py: burst_may_matter): a group of the oldest version this batch may take,
-        back milliseconds after the take, would be dropped, while a fresher one taken in its place could have waited
-        for the next batch. Not for the run's last batch (no batch after it could take the fresher ones)."""
-        U, k = self.plan.unique_prompts, self.cfg.cluster.max_staleness
-        end = time.time() + BURST_MAX_S
-        while (k >= 1 and not in_flight(self.cfg) and self._batches_left() > 1 and time.time() < end
-               and burst_may_matter([m["version"] for m, _ in self.buffer.groups], self.pool.in_flight_versions(),
-                                    U, self.version - k)):
-            if not self._gather(0, timeout=BURST_GAP_S):  # want 0: takes back, hands nothing out
-                break
-            self.counters["burst_waits"] += 1
-            self._requeue_stale()  # what came back past the bound is no group to take (the callers dropped the rest)
-        return self.buffer.take(U)
+        """The next batch from the buffer: the groups of the oldest versions first (GroupBuffer.take)."""
+        return self.buffer.take(self.plan.unique_prompts)
 
     def _sampled(self, filled: int) -> dict:
         """Dynamic sampling's counts of the batch about to be taken (the take starts them again)."""

@@ -40,24 +40,3 @@ def trained_ahead_allowed(max_staleness: int, batches_left: int, checkpoint_due:
     learner then never idles between batches. Not when this cycle saves a checkpoint (the save must hold this cycle's
     weights, and the learner runs its calls in order), past the last batch, or when the job is stopping."""
     return max_staleness >= 1 and batches_left > 0 and not checkpoint_due and not stopping
-
-
-# Groups that finish on one engine step (long ones all stopped by max_completion_length, say) come back a few
-# milliseconds apart, each scored on its own. A take that falls inside such a burst took fresher groups that the
-# next batch could have taken, and the burst's older groups that came back just after it were dropped past the bound:
-# every finished group dropped at max_staleness 1 in the 1.5B long tail's group traces came back 1-13 ms after a take
-# (bench/results/e2e_gpu_scale.md, 2026-12-07). So a take that may matter waits for the rest of a burst: polls of
-# BURST_GAP_S while groups keep coming back, BURST_MAX_S in all.
-BURST_GAP_S = 0.02
-BURST_MAX_S = 0.1
-
-
-def burst_may_matter(buffered: list[int], in_flight: list[int], take: int, only_this_batch: int) -> bool:
-    """Whether a group still in flight could displace one that the take is about to include: some in-flight group
-    was sampled with `only_this_batch` (the oldest version this batch may take, which the next cannot), and the
-    `take` oldest buffered groups (what GroupBuffer.take takes) include one the next batch could take (a newer
-    version). buffered: the buffered groups' versions; in_flight: the versions the in-flight prompts were handed out
-    at (each samples with that version or a newer one: a close enough guess for a wait of milliseconds)."""
-    batch = sorted(buffered)[:take]
-    return (len(batch) == take and batch[-1] > only_this_batch
-            and any(v == only_this_batch for v in in_flight))  # an older one is stopped: no batch may take it

@@ -155,10 +155,6 @@ class RolloutPool:
     def in_flight(self) -> int:
         return sum(len(s.in_flight) for s in self.slots) + len(self.parked)
 
-    def in_flight_versions(self) -> list[int]:
-        """The version each prompt in flight was handed out at (it samples with that one or a newer one)."""
-        return [item.min_version for s in self.slots for item, _ in s.in_flight.values()]
-
     def pending_items(self) -> list:
         return [item for s in self.slots for item, _ in s.in_flight.values()] + list(self.parked)
 

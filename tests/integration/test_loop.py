@@ -82,58 +82,6 @@ def test_a_training_that_ends_wakes_the_wait_for_groups(ray_session):
     ray_session.kill(pool.slots[0].actor)
 
 
-def test_a_take_inside_a_burst_waits_for_the_older_groups_still_coming_back(ray_session, tmp_path, tiny_model,
-                                                                          monkeypatch):
-    """max_staleness 1, version 2 served: this batch may take version 1, the next may not. Two groups are buffered
-    (versions 1 and 2) and a version-1 group is in flight. Coming back within the burst's gap, it is taken and the
-    version-2 group waits in the buffer for the next batch (which may take it), where a take without the wait would
-    have left it to be dropped. Still sampling past the wait, the take goes on without it; with no group of
-    version 1 in flight, the take does not wait at all. Groups finishing whole (cluster.inflight_updates: false): in
-    flight a group finishes under the newest version and no take waits. (The gap is widened here: what is tested is the rule,
-    not Ray's milliseconds on a loaded CPU.)"""
-    import numpy as np
-
-    from tandem.core.protocol import PromptItem
-    from tandem.services.orchestrator import controller as controller_module
-    from tandem.services.orchestrator.failures import FailureLog
-    from tandem.services.orchestrator.group_buffer import GroupBuffer
-    from tandem.services.orchestrator.rollout_pool import RolloutPool
-
-    monkeypatch.setattr(controller_module, "BURST_GAP_S", 1.0)
-    monkeypatch.setattr(controller_module, "BURST_MAX_S", 3.0)
-
-    @ray_session.remote
-    class BurstWorker:
-        def setup(self):
-            return True
-
-        def rollout(self, item):
-            time.sleep(item.prompt_ids[0] / 1000)  # the item's delay, in ms
-            return {"version": 1, "tokens": 8, "group_id": item.group_id}, "group"
-
-    def take(delay_ms: int, in_flight_version: int) -> tuple[list, list, float]:
-        ctl = Controller(loop_job(tmp_path, tiny_model, 1, cluster={"inflight_updates": False}))
-        ctl.buffer, ctl.progress.version, ctl.progress.total_cycles = GroupBuffer(1, 16), 2, 5
-        ctl.failures = FailureLog(tmp_path / "failed.jsonl", ctl.cfg.rewards, 2, 16)
-        ctl.pool = RolloutPool(lambda i: (lambda a: (a, a.setup.remote()))(BurstWorker.remote()), 1, Counter())
-        ctl.pool.start(1)
-        for gid, v in ((0, 1), (1, 2)):
-            ctl.buffer.admit({"version": v, "index": gid, "epoch": 0, "group_id": gid}, ray_session.put("group"))
-        ctl.pool.version = in_flight_version
-        ctl.pool.feed(lambda: PromptItem(group_id=2, index=2, prompt_ids=np.array([delay_ms]), prompt="p"), 1)
-        t = time.time()
-        batch = ctl._take()
-        took = time.time() - t
-        ray_session.kill(ctl.pool.slots[0].actor)
-        return [m["version"] for m, _ in batch], [m["version"] for m, _ in ctl.buffer.groups], took
-
-    assert take(300, 1)[:2] == ([1, 1], [2])  # back within the gap: taken; the fresher one waits for the next batch
-    batch, left, took = take(20_000, 1)  # still sampling: one gap waited for, then taken without it
-    assert (batch, left) == ([1, 2], []) and 1.0 <= took < 3.0, took
-    batch, left, took = take(20_000, 2)  # nothing in flight that only this batch could take: no wait
-    assert (batch, left) == ([1, 2], []) and took < 0.5, took
-
-
 def test_colocated_learner_and_engine_share_one_process_and_lose_nothing(ray_session, tmp_path, tiny_model):
     """vllm_mode colocate: rollout worker 0 is the learner's actor; with max_staleness 1 its engine samples
     while the learner trains in the same process, and the accounting holds as in server mode."""

@@ -36,12 +36,12 @@ def group(versions: list[list[int]], version: int = 0) -> RolloutGroup:
 def test_the_bound_masks_the_tokens_too_old_for_the_weights_not_the_group():
     g = group([[0, 0, 1, 1, 2], [2, 2], [0, 0, 0]])
     assert g.newest_version == 2 and g.completion_versions(1).tolist() == [2, 2]
-    s = Samples.from_groups([g], version=2, max_staleness=1)
+    s = Samples.from_groups([g], version=2, max_lag=1)
     assert [m.tolist() for m in s.loss_masks] == [[False, False, True, True, True], [True, True], [False] * 3]
     assert s.stale_tokens == 5 and s.loss_mask_counts(range(3), mask_truncated=False) == 5  # dapo's N
     # a tool's token (loss_mask False) is not counted as stale: it was never the model's to train
     g.loss_mask = np.array([False, True, True, True, True, True, True, True, True, True])
-    assert Samples.from_groups([g], version=2, max_staleness=1).stale_tokens == 4
+    assert Samples.from_groups([g], version=2, max_lag=1).stale_tokens == 4
     # no bound given (groups finishing whole: the controller bounds them): nothing masked
     assert all(m.all() for m in Samples.from_groups([group([[0, 1]])]).loss_masks)
     assert token_bound(np.array([0, 1, 2, 3]), 3, 2).tolist() == [False, True, True, True]
@@ -75,7 +75,7 @@ def test_old_and_the_tis_weight_of_a_sequence_sampled_under_three_versions(tiny_
     samp = torch.stack([per_version[int(v)][t] for t, v in enumerate(versions)])  # what the engine recorded
     g = RolloutGroup(0, 0, prompt, comp, np.array([0, len(comp)]), samp.float().numpy(), np.ones(1, bool),
                      np.zeros((1, 1), np.float32), 1, token_versions=versions)
-    s = Samples.from_groups([g], version=3, max_staleness=2)  # every token within the bound
+    s = Samples.from_groups([g], version=3, max_lag=2)  # every token within the bound
     assert s.loss_masks[0].all()
     mb = collate(s, [0], torch.zeros(1), pad_id=0, mask_truncated=False)
     set_peft_model_state_dict(model, adapters[3])  # the weights that train on the batch

@@ -7,8 +7,7 @@ from collections import deque
 
 import pytest
 
-from tandem.services.orchestrator.group_buffer import GroupBuffer
-from tandem.services.orchestrator.pipeline import burst_may_matter, prompts_wanted, trained_ahead_allowed
+from tandem.services.orchestrator.pipeline import prompts_wanted, trained_ahead_allowed
 
 
 def run(U: int, k: int, batches: int, save_every: int = 0):
@@ -73,32 +72,3 @@ def test_the_rule_in_numbers():
     assert prompts_wanted(8, 1, training=True, batches_left=1, oversample=3) == 0
     assert not trained_ahead_allowed(1, 5, checkpoint_due=False, stopping=True)
     assert not trained_ahead_allowed(0, 5, checkpoint_due=False, stopping=False)
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_a_take_waits_for_a_burst_exactly_when_a_late_group_would_change_it(seed):
-    """burst_may_matter against what it stands for, on the real GroupBuffer: taking after the in-flight groups came
-    back drops fewer finished groups than taking now, exactly when the rule says to wait (k = 1, version 3 served:
-    this batch may take version 2, the next one 3 and later; a group of version 1 is past the bound already)."""
-    import random
-
-    rng = random.Random(seed)
-    k, version, take = 1, 3, 4
-    for _ in range(50):
-        buffered = [rng.choice([2, 3, 4]) for _ in range(rng.randint(take, take + 3))]
-        in_flight = [rng.choice([1, 2, 3, 4]) for _ in range(rng.randint(0, 3))]
-
-        def outcome(late: list[int], buffered=buffered, in_flight=in_flight) -> int:
-            """The groups dropped at this take and the next (at version + 1), with `late` back before this take
-            (the controller drops what is past the bound before each take)."""
-            buf = GroupBuffer(k)
-            for i, v in enumerate(buffered + late):
-                buf.admit({"version": v, "index": i, "epoch": 0, "group_id": i}, None)
-            dropped = len(buf.drop_stale(version))
-            buf.take(take)
-            for i, v in enumerate(in_flight if not late else []):  # the rest come back after the take
-                buf.admit({"version": v, "index": 100 + i, "epoch": 0, "group_id": 100 + i}, None)
-            return dropped + len(buf.drop_stale(version + 1))
-
-        now, waited = outcome([]), outcome(in_flight)
-        assert burst_may_matter(buffered, in_flight, take, version - k) == (waited < now), (buffered, in_flight)
