@@ -81,3 +81,21 @@ def autoscale(cfg, pool, load: CycleLoad, counters) -> str | None:
     why = (f"the learner waited {load.wait_s:.2f} s for groups, training {load.train_s:.2f} s" if m > n else
            f"{load.buffered} groups waited in the buffer, the learner {load.wait_s:.2f} s")
     return f"tandem: autoscale: rollout workers {n} -> {m} ({why})"
+
+
+def wait_for_nodes(cfg, wait_s: float) -> None:
+    """Every role's request fits some node (within wait_s), or a one-line error: an actor that no node can hold would
+    wait forever, and the job and `tandem status` with it."""
+    import time
+
+    import ray
+
+    from tandem.core.checks import resource_errors
+    from tandem.core.config import JobConfigError
+
+    end = time.time() + wait_s
+    while errors := resource_errors(cfg, ray.nodes()):
+        if time.time() >= end:
+            raise JobConfigError("invalid job: " + "; ".join(errors) +
+                                 (f" (waited {wait_s:.0f} s for a node to join)" if wait_s else ""))
+        time.sleep(2)

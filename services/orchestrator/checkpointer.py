@@ -206,3 +206,17 @@ class Checkpointer:
         return JobConfigError(f"checkpoint.resume: no checkpoint in {self.root} can be resumed from: " +
                               "; ".join(f"{ck.name} ({why})" for ck, why in passed) +
                               "; allowed: repair or remove them, or logging.overwrite_output_dir: true to start over")
+
+
+def clear_run_dir(cfg) -> None:
+    """overwrite_output_dir: the earlier run's record, checkpoints and artifact go before this one writes (never
+    the model the job trains: examples keep it at <output_dir>/model)."""
+    from tandem.services.orchestrator.trl_checkpoint import trl_checkpoints
+
+    out = Location(cfg.logging.output_dir)
+    model = Path(cfg.model.path).resolve()
+    trl = [ck for _, ck in trl_checkpoints(str(out))]  # TRL's checkpoint-N copies of the same run
+    for d in (out / "metrics.jsonl", out / "failed_prompts.jsonl", out / "group_trace.jsonl",
+              Location(cfg.checkpoint_dir), out / "adapter", out / "model", *trl):
+        if is_uri(d) or not model.is_relative_to(Path(d).resolve()):  # the job's model in its run dir stays
+            Store(d).delete()

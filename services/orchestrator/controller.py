@@ -38,16 +38,23 @@ from tandem.core.engine_memory import oversample_prompts
 from tandem.core.errors import RewardContractError
 from tandem.core.plan import BatchPlan
 from tandem.core.protocol import errors_as_text
-from tandem.core.storage import Location, RunMirror, Store, is_uri, run_mirror
+from tandem.core.storage import RunMirror, Store, run_mirror
 from tandem.rollout.episodes import episode_metrics
 from tandem.services.orchestrator.autoscale import (
     CycleLoad,
     autoscale,
     request_job_resources,
     request_rollout_resources,
+    wait_for_nodes,
 )
-from tandem.services.orchestrator.checkpointer import Checkpointer, fingerprint, fingerprint_changes, rows_digest
-from tandem.services.orchestrator.data import prompt_table, read_dataset
+from tandem.services.orchestrator.checkpointer import (
+    Checkpointer,
+    clear_run_dir,
+    fingerprint,
+    fingerprint_changes,
+    rows_digest,
+)
+from tandem.services.orchestrator.data import job_rows, prompt_table
 from tandem.services.orchestrator.epoch_record import EpochRecord, TrainedRecord
 from tandem.services.orchestrator.evaluator import Evaluator
 from tandem.services.orchestrator.failures import FailureLog
@@ -64,9 +71,10 @@ from tandem.services.orchestrator.run_log import (  # noqa: F401 - deploy/ reads
     rollout_rates,
     sampling_times,
     series_name,
+    wasted_frac,
 )
 from tandem.services.orchestrator.trackers import Trackers
-from tandem.services.orchestrator.trl_checkpoint import Epochs, trl_checkpoints, write_trl_checkpoint
+from tandem.services.orchestrator.trl_checkpoint import Epochs, write_trl_checkpoint
 
 NOTICES: collections.deque = collections.deque(maxlen=100)  # said since the driver last asked (step() hands them on)
 
@@ -194,7 +202,7 @@ class Controller:
         cfg = self.cfg
         check_inputs(cfg, given=set(self.datasets))  # as this node sees them; each worker imports the rewards again
         if cfg.logging.overwrite_output_dir and not cfg.checkpoint.resume:
-            self._clear_run_dir()
+            clear_run_dir(cfg)
         self.mirror = run_mirror(cfg)
         if self.mirror:
             self.mirror.pull()  # a resumed run's record, to cut back and append to
@@ -212,7 +220,7 @@ class Controller:
             self.checkpoints.refuse_if_none_readable()  # in a second, not after every actor started
         if cfg.cluster.autoscale:  # before the wait: a node the autoscaler adds is one it was asked for
             request_job_resources(cfg, cfg.cluster.num_rollout_workers)
-        self._wait_for_nodes(resource_wait_s)
+        wait_for_nodes(cfg, resource_wait_s)
         self._start_actors()
         self.log.trackers = Trackers(cfg)
         return self.status()
@@ -228,27 +236,14 @@ class Controller:
         tok = (tokenizer_without_torch if own_process else load_tokenizer)(cfg.model.local_dir())
 
         schemas = job_tool_schemas(cfg, tok)
-        rows, where = self._rows("data")
+        rows, where = job_rows(cfg, self.datasets, "data")
         data = prompt_table(rows, cfg, tok, schemas, where)
         self.source = PromptSource(len(data), cfg.seed, cfg.data.shuffle, table=data)
         if cfg.eval.path is not None or "eval" in self.datasets:
-            eval_rows, eval_where = self._rows("eval")
+            eval_rows, eval_where = job_rows(cfg, self.datasets, "eval")
             self.evaluator = Evaluator(cfg, prompt_table(eval_rows, cfg, tok, schemas, eval_where), tok)
         local = "data" not in self.datasets and Path(cfg.data.path).exists()
         return len(data), None if local else rows_digest(rows)
-
-    def _rows(self, section: str) -> tuple[list, str]:
-        """The rows of `section` ("data", "eval"), as given from Python or read from its path. -> (rows, where)."""
-        given = self.datasets.get(section)
-        if given is not None:
-            import ray
-
-            return (ray.get(given) if isinstance(given, ray.ObjectRef) else given), f"the {section} rows given"
-        sec = getattr(self.cfg, section)
-        if sec.path is None:
-            raise JobConfigError(f"{section}.path: required (a data file, a saved dataset directory or a Hub dataset "
-                                 "id); null only with rows given from Python (tandem.GRPOTrainer)")
-        return read_dataset(f"{section}.path", sec.path, sec.name, sec.split), sec.path
 
     def _start_actors(self) -> None:
         """The learner's setup runs while the rollout workers start (colocate: rank 0's actor is worker 0)."""
@@ -271,32 +266,6 @@ class Controller:
             self.learner.ready()
         finally:
             Store(probe).delete()
-
-    def _wait_for_nodes(self, wait_s: float) -> None:
-        """Every role's request fits some node (within wait_s), or a one-line error: an actor that no node
-        can hold would wait forever, and the job and `tandem status` with it."""
-        import ray
-
-        from tandem.core.checks import resource_errors
-
-        end = time.time() + wait_s
-        while errors := resource_errors(self.cfg, ray.nodes()):
-            if time.time() >= end:
-                raise JobConfigError("invalid job: " + "; ".join(errors) +
-                                     (f" (waited {wait_s:.0f} s for a node to join)" if wait_s else ""))
-            time.sleep(2)
-
-    def _clear_run_dir(self) -> None:
-        """overwrite_output_dir: the earlier run's record, checkpoints and artifact go before this one writes (never
-        the model the job trains: examples keep it at <output_dir>/model)."""
-        out = Location(self.cfg.logging.output_dir)
-        model = Path(self.cfg.model.path).resolve()
-        trl = [ck for _, ck in trl_checkpoints(str(out))]  # TRL's checkpoint-N copies of the same run
-        for d in (out / "metrics.jsonl", out / "failed_prompts.jsonl", out / "group_trace.jsonl",
-                  Location(self.cfg.checkpoint_dir),
-                  out / "adapter", out / "model", *trl):
-            if is_uri(d) or not model.is_relative_to(Path(d).resolve()):  # the job's model in its run dir stays
-                Store(d).delete()
 
     # --------------------------------------------------------------------------------- cycle
 
@@ -571,17 +540,6 @@ class Controller:
         return {"t": time.time(), "workers": {s["worker"]: s for s in self.pool.stats()},
                 "dropped_tokens": self.counters["stale_dropped_tokens"]}
 
-    def _wasted_frac(self, stats: dict) -> float:
-        """rollout/wasted_frac, over the run so far: the tokens sampled that no training took (stopped mid-sampling
-        for staleness, dropped past the bound, filtered by dynamic sampling, masked as too old in a trained group)
-        over every token sampled into a group that was trained or thrown away (those buffered or sampling are
-        neither yet)."""
-        c = self.counters
-        stopped = sum(w.get("stale_sequence_steps", 0) for w in stats["workers"].values())
-        lost = stopped + c["stale_dropped_tokens"] + c["filtered_tokens"]
-        sampled = lost + c["trained_group_tokens"]
-        return (lost + c["stale_masked_tokens"]) / sampled if sampled else 0.0
-
     def _metrics(self, steps, batch, before, stage: Stages, sampled: dict) -> list[dict]:
         lags = Counter(self.version - 1 - m["version"] for m, _ in batch)
         t, now = stage.seconds, self._rollout_stats()
@@ -592,7 +550,7 @@ class Controller:
             "queue_depth": len(self.buffer) + self.pool.in_flight(), "prompts_in_flight": self.pool.in_flight(),
             "cluster/rollout_workers": self.pool.target, "cluster/scale_events": self.counters["scale_events"],
             "staleness_hist": {str(k): v for k, v in sorted(lags.items())},
-            **rollout_rates(before, now), "rollout/wasted_frac": self._wasted_frac(now),
+            **rollout_rates(before, now), "rollout/wasted_frac": wasted_frac(self.counters, now),
             "rollout/prompts_never_trained": self.failures.never_trained(),
             **{f"count/{k}": v for k, v in self.counters.items()},
             **(sampled if self.cfg.grpo.dynamic_sampling else {}),

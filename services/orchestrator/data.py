@@ -161,3 +161,18 @@ def blank(prompt: Any) -> bool:
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
         return all(isinstance(m.get("content"), str) and not m["content"].strip() for m in prompt)
     return False
+
+
+def job_rows(cfg, given: dict, section: str) -> tuple[list, str]:
+    """The rows of `section` ("data", "eval"), as given from Python (`given`: {section: rows, or a Ray reference to
+    them}) or read from its path. -> (rows, where)."""
+    rows = given.get(section)
+    if rows is not None:
+        import ray
+
+        return (ray.get(rows) if isinstance(rows, ray.ObjectRef) else rows), f"the {section} rows given"
+    sec = getattr(cfg, section)
+    if sec.path is None:
+        raise JobConfigError(f"{section}.path: required (a data file, a saved dataset directory or a Hub dataset "
+                             "id); null only with rows given from Python (tandem.GRPOTrainer)")
+    return read_dataset(f"{section}.path", sec.path, sec.name, sec.split), sec.path

@@ -192,3 +192,14 @@ def step_of(line: str) -> int | None:
     """The step number of a metrics line, even a cut one ('{"time": 17.5, "step": 7, "re' -> 7)."""
     m = re.search(r'"step":\s*(\d+)[,}]', line)
     return int(m.group(1)) if m else None
+
+
+def wasted_frac(counters, stats: dict) -> float:
+    """rollout/wasted_frac, over the run so far (the controller's counters, its workers' stats): the tokens sampled
+    that no training took (stopped mid-sampling for staleness, dropped past the bound, filtered by dynamic sampling,
+    masked as too old in a trained group) over every token sampled into a group that was trained or thrown away (those
+    buffered or sampling are neither yet)."""
+    stopped = sum(w.get("stale_sequence_steps", 0) for w in stats["workers"].values())
+    lost = stopped + counters["stale_dropped_tokens"] + counters["filtered_tokens"]
+    sampled = lost + counters["trained_group_tokens"]
+    return (lost + counters["stale_masked_tokens"]) / sampled if sampled else 0.0

@@ -505,3 +505,18 @@ def test_stale_failures_stop_the_run_past_a_quarter_of_one_epoch_and_do_not_coun
     with pytest.raises(TrainingError, match=r"smaller generation.max_completion_length, or fewer "
                                             r"cluster.rollout_oversample_prompts \(12 here"):
         over.too_slow(4, 0, lag=2, max_staleness=1, oversample=12)
+
+
+def test_wasted_frac_counts_every_token_sampled_and_not_trained_over_every_token_sampled():
+    """rollout/wasted_frac against a count by hand: 300 trained-group tokens of which 30 masked as too old, 50 sequence
+    steps stopped on two workers, 40 tokens dropped past the bound, 10 filtered: (50 + 40 + 10 + 30) / (50 + 40 + 10
+    + 300). Nothing sampled yet is 0, never a division by zero."""
+    from collections import Counter
+
+    from tandem.services.orchestrator.run_log import wasted_frac
+
+    c = Counter(trained_group_tokens=300, stale_masked_tokens=30, stale_dropped_tokens=40, filtered_tokens=10)
+    stats = {"workers": {0: {"stale_sequence_steps": 20}, 1: {"stale_sequence_steps": 30}}}
+    assert wasted_frac(c, stats) == pytest.approx(130 / 400)
+    assert wasted_frac(Counter(), {"workers": {}}) == 0.0
+    assert wasted_frac(Counter(trained_group_tokens=5), {"workers": {0: {}}}) == 0.0

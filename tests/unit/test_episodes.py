@@ -320,7 +320,7 @@ def test_overwrite_keeps_the_jobs_model_and_full_fine_tuning_may_not_write_over_
     the model; a full fine-tuning run, which writes its trained model to <output_dir>/model, is refused there."""
     from tandem.core.checks import run_dir_error
     from tandem.core.config import JobConfig
-    from tandem.services.orchestrator.controller import Controller
+    from tandem.services.orchestrator.checkpointer import clear_run_dir
 
     out = tmp_path / "run"
     (out / "model").mkdir(parents=True)
@@ -330,8 +330,7 @@ def test_overwrite_keeps_the_jobs_model_and_full_fine_tuning_may_not_write_over_
     job = {**job_files, "model": {**job_files["model"], "path": str(out / "model")},
            "logging": {"output_dir": str(out), "overwrite_output_dir": True}}
     cfg = JobConfig.from_dict(job)
-    ctl = Controller(cfg)
-    ctl._clear_run_dir()
+    clear_run_dir(cfg)
     assert (out / "model" / "config.json").is_file()
     assert not (out / "metrics.jsonl").exists() and not (out / "adapter").exists()
     full = JobConfig.from_dict({**job, "model": {**job["model"], "lora": None}})
