@@ -321,7 +321,30 @@ class Controller:
 
     def _evaluate_on_start(self) -> None:
         if self.cycle == 0 and self.evaluator and self.cfg.eval.eval_on_start and not self.log.has_step(0):
-            self.log.write([{"step": 0, **self.evaluator.run(self.pool.ray, self.pool.serving(), self.version, 0)}])
+            self.log.write([{"step": 0, **self.evaluator.run(self.pool.ray, self._serving(), self.version, 0)}])
+
+    def _evaluate(self, step: int) -> dict:
+        """The evaluation due at `step` on the workers serving now. With none serving (the only rollout node lost, its
+        worker's replacement starting) it is postponed to the next cycle, said in one line; the run's last one waits
+        for a worker instead (said every 10 s by the pool), so the final evaluation always runs."""
+        ev = self.evaluator
+        if not self.pool.serving() and not self._done():
+            if ev.postponed is None:
+                ev.postponed = step
+                say(f"tandem: the evaluation of step {step} is postponed: no rollout worker serves now (worker(s) "
+                    f"{self.pool.starting(0)} starting); it runs at the next cycle that has one")
+            return {}
+        out = ev.run(self.pool.ray, self._serving(), self.version, step)
+        if ev.postponed is not None and ev.postponed != step:
+            out["eval/postponed_from"] = ev.postponed
+        ev.postponed = None
+        return out
+
+    def _serving(self) -> list:
+        """The workers serving now, once there is one: prompts are taken back and dead workers replaced meanwhile."""
+        while not self.pool.serving():
+            self._gather(0, timeout=1.0)
+        return self.pool.serving()
 
     def _collect(self) -> tuple[list, dict]:
         """Until unique_prompts fresh groups are buffered: prompts handed out, groups taken back, stale ones
@@ -564,7 +587,7 @@ class Controller:
         """The eval when due (on the last step's line), the metrics lines, the checkpoint when `saving` (-> its
         path)."""
         if self.evaluator and self.evaluator.due(steps[0]["step"], steps[-1]["step"], self._done()):
-            steps[-1].update(self.evaluator.run(self.pool.ray, self.pool.serving(), self.version, steps[-1]["step"]))
+            steps[-1].update(self._evaluate(steps[-1]["step"]))
         self.log.write(steps)
         return self._save() if saving else None
 

@@ -51,10 +51,11 @@ class Evaluator:
         self.sampling = replace(train, n=e.num_generations,
                                 temperature=train.temperature if e.temperature is None else e.temperature)
         self.dir = Path(cfg.run_dir) / "eval"
+        self.postponed: int | None = None  # the step of an evaluation no worker could run: it runs at the next cycle
 
     def due(self, first_step: int, last_step: int, final: bool) -> bool:
-        """After a cycle that trained steps first_step..last_step: every eval_steps and at the end."""
-        if final:
+        """After a cycle that trained steps first_step..last_step: every eval_steps, one postponed, and at the end."""
+        if final or self.postponed is not None:
             return True
         return self.every > 0 and last_step // self.every > (first_step - 1) // self.every
 

@@ -135,9 +135,10 @@ class RolloutPool:
         if late and time.time() - self._noted >= every:
             self._noted = time.time()
             waited = time.time() - min(self.slots[i].since for i in late)
+            serving = len(self.serving())
             self.say(f"tandem: rollout worker(s) {late} not serving after {waited:.0f} s, waiting for {self.request} "
-                     f"on a live node (`ray status` lists the demand); the job goes on with "
-                     f"{len(self.serving())} worker(s)")
+                     f"on a live node (`ray status` lists the demand); " +
+                     (f"the job goes on with {serving} worker(s)" if serving else "the job waits for one"))
 
     def starting(self, longer_than: float) -> list[int]:
         """The slots whose worker was asked for more than `longer_than` s ago and does not serve yet (a lost node's
