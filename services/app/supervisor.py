@@ -31,8 +31,10 @@ def _child_setup() -> None:
 
 
 def supervise(argv: list[str], max_restarts: int, out=sys.stderr) -> int:
-    """Runs `tandem run argv` as a child until it ends by itself; -> its exit status. Then releases what the job's
-    killed processes could not (release_orphan_semaphores)."""
+    """Runs `tandem run argv` as a child until it ends by itself; -> its exit status. First releases what an earlier
+    run of this user left where its supervisor was killed too (SIGKILL: its own release below never ran), then, at the
+    end, what this job's killed processes could not (release_orphan_semaphores)."""
+    release_orphan_semaphores(0.0, settle_s=0.0)
     since = time.time()
     try:
         return _supervise(argv, max_restarts, out)

@@ -557,3 +557,41 @@ def test_the_driver_takes_ctrl_c_even_where_tandem_run_was_started_with_sigint_i
     finally:
         signal.signal(signal.SIGINT, old)
     assert (plain, driver) == ("False", "True")
+
+
+@pytest.mark.alone
+def test_semaphores_a_killed_run_left_are_released_by_the_next_start(tmp_path):
+    """A process pool's semaphores (/dev/shm/sem.mp-*) outlive a process killed by SIGKILL, and so does the run whose
+    supervisor was killed too (its own release never ran): the next `tandem run` of the same user releases them
+    before it starts, and leaves a live process's alone. (alone: it reads every process's /dev/shm state)"""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import io
+
+    from tandem.services.app.supervisor import mapped_names, supervise
+    from tests.helpers import unmapped_semaphores
+
+    code = ("import multiprocessing as mp, sys, time\nctx = mp.get_context('spawn')\nlocks = [ctx.Lock() for _ in "
+            "range(3)]\nprint('ready', flush=True)\ntime.sleep(600)\n")
+    before = unmapped_semaphores()
+    killed = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    alive = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert killed.stdout.readline().strip() == "ready" and alive.stdout.readline().strip() == "ready"
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        deadline = time.time() + 10
+        while not (left := unmapped_semaphores() - before) and time.time() < deadline:
+            time.sleep(0.1)
+        assert left, "the killed process left no semaphore behind (nothing to test)"
+        mapped_by_alive = {n for n in mapped_names() if n.startswith("sem.mp-")}
+        # the next run (one refused at once: its own release at the end only sees what it made itself)
+        assert supervise([str(tmp_path / "missing.yaml")], 0, out=io.StringIO()) != 0
+        assert not (unmapped_semaphores() & left), "the next start left the killed run's semaphores"
+        assert mapped_by_alive <= {n for n in mapped_names() if n.startswith("sem.mp-")}  # a live one's kept
+    finally:
+        alive.kill()
+        alive.wait()
