@@ -564,12 +564,11 @@ def test_semaphores_a_killed_run_left_are_released_by_the_next_start(tmp_path):
     """A process pool's semaphores (/dev/shm/sem.mp-*) outlive a process killed by SIGKILL, and so does the run whose
     supervisor was killed too (its own release never ran): the next `tandem run` of the same user releases them
     before it starts, and leaves a live process's alone. (alone: it reads every process's /dev/shm state)"""
+    import io
     import signal
     import subprocess
     import sys
     import time
-
-    import io
 
     from tandem.services.app.supervisor import mapped_names, supervise
     from tests.helpers import unmapped_semaphores
