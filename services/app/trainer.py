@@ -361,8 +361,9 @@ def merged(base: dict, extra: dict) -> dict:
 
 
 def as_list(value: Any, arg: str) -> list:
-    if value is None:
-        raise JobConfigError(f"GRPOTrainer({arg}=None): at least one is required")
+    if value is None or (isinstance(value, (list, tuple)) and not value):
+        raise JobConfigError(f"GRPOTrainer({arg}={value!r}): at least one is required (a function, a "
+                             "module:function name, or a list of them)")
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 

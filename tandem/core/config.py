@@ -756,6 +756,13 @@ def format_validation_error(e: ValidationError, model: type[BaseModel] | None = 
             lines.append(msg)
         elif err["type"] == "missing":
             lines.append(f"{loc}: required field missing")
+        elif err["type"] == "too_short" and isinstance(err["input"], list):  # an empty list where one entry is needed
+            what = (model.model_fields.get(str(err["loc"][-1])) if model is not None and len(err["loc"]) == 1
+                    else None)
+            lines.append(f"{loc} = {err['input']!r}: needs at least {err['ctx'].get('min_length', 1)} entry"
+                         + (f" ({what.description})" if what is not None and what.description else "")
+                         + ("; or leave it out (null)" if model is not None and _takes_null(model, (str(err['loc'][0]),))
+                            else ""))
         elif err["type"] == "extra_forbidden":
             lines.append(f"{loc}: unknown field (value {err['input']!r}); check the spelling against the reference")
         elif len(err["loc"]) > 1 and _UNION_MEMBER.fullmatch(str(err["loc"][-1])):

@@ -289,3 +289,20 @@ def test_a_value_no_member_of_a_union_takes_is_one_line_naming_the_field_and_wha
     with pytest.raises(JobConfigError, match=r"^invalid job: cluster.rollout_oversample_prompts = 1.5: must be a "
                                              r"valid integer or 'auto'$"):
         load(d)
+
+
+def test_an_empty_list_is_refused_naming_the_field_and_what_it_needs(job_files):
+    """`rewards: []`, `tools: []` and TRL's `reward_funcs=[]`: one line naming the field and what it takes, not
+    pydantic's "List should have at least 1 item after validation"."""
+    d = copy.deepcopy(job_files)
+    d["rewards"] = []
+    with pytest.raises(JobConfigError, match=r"^invalid job: rewards = \[\]: needs at least 1 entry \(reward functions"):
+        load(d)
+    d = copy.deepcopy(job_files)
+    d["tools"] = []
+    with pytest.raises(JobConfigError, match=r"tools = \[\]: needs at least 1 entry \(tool functions.*or leave it out"):
+        load(d)
+    from tandem.services.app.trainer import as_list
+
+    with pytest.raises(JobConfigError, match=r"GRPOTrainer\(reward_funcs=\[\]\): at least one is required"):
+        as_list([], "reward_funcs")
