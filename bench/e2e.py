@@ -950,6 +950,7 @@ def run_trl_async(paths, wl, args, reward=None, tools=None, **config) -> dict:
     episodes = {"tool_calls_per_episode": statistics.median(calls), "turns_per_episode": 1 + statistics.median(calls)} \
         if calls else {}
     return {"s_per_step": wall / len(meas), "gen_s_per_step": None, "train_s_per_step": None, **episodes,
+            **trl_async_trained(logs),
             "completions_per_s": trained / wall, "samples_per_step": trained / len(meas),
             "gen_tokens_per_s": comp_len * trained / wall if comp_len else None, "publish_latency_s": None,
             "learner_mfu": None,
@@ -959,6 +960,19 @@ def run_trl_async(paths, wl, args, reward=None, tools=None, **config) -> dict:
                         f"(AsyncGRPOConfig has no loss_type or beta), but token_budget 0 (the candidates' batch: "
                         f"per_device_train_batch_size x gradient_accumulation_steps samples a step); vLLM server at "
                         f"gpu_memory_utilization {args.vllm_memory or TRL_VLLM_MEMORY}; attention: {attention}", **g}
+
+
+def trl_async_trained(logs: list[dict]) -> dict:
+    """What TRL's AsyncGRPOTrainer logs of what it trained, in the keys of Tandem's rows: its masked token share
+    (`batch/masked_token_frac`, the mean over the measured steps: the only waste it logs; samples it drops past its
+    max_staleness are logged at info level only), trained tokens per completion (`sample/trained_tokens_mean`) and
+    its staleness (`sample/staleness_mean`, `_max`); None where it does not log them."""
+    def mean(key):
+        vals = [h[key] for h in logs if key in h]
+        return statistics.mean(vals) if vals else None
+    top = max((h["sample/staleness_max"] for h in logs if "sample/staleness_max" in h), default=None)
+    return {"wasted_frac": mean("batch/masked_token_frac"), "trained_tokens_per_completion": mean(
+        "sample/trained_tokens_mean"), "version_lag_mean": mean("sample/staleness_mean"), "version_lag_max": top}
 
 
 # --------------------------------------------------------------------------------------- table

@@ -193,3 +193,16 @@ def test_cluster_settings_reach_the_job_from_the_command_line(e2e, tmp_path):
     assert (default.rollout_prompts_in_flight, default.learner_sm_carveout) == (None, "auto")
     assert (default.rollout_oversample_prompts, default.vllm_max_num_seqs) == (0, None)
     assert (default.inflight_updates, default.inflight_kv) == (True, "recompute")
+
+
+def test_trl_async_rows_carry_what_trl_logs_of_what_it_trained(e2e):
+    """The peer's row shows its waste, trained tokens and staleness where its log_history has them (TRL 1.16's keys
+    as the 2026-12-07 lease's log shows them), and none where it does not."""
+    logs = [{"batch/masked_token_frac": 0.05, "sample/trained_tokens_mean": 170.0, "sample/staleness_mean": 2.0,
+             "sample/staleness_max": 2.0},
+            {"batch/masked_token_frac": 0.04, "sample/trained_tokens_mean": 190.0, "sample/staleness_mean": 3.0,
+             "sample/staleness_max": 4.0}]
+    got = e2e.trl_async_trained(logs)
+    assert got["wasted_frac"] == pytest.approx(0.045) and got["trained_tokens_per_completion"] == pytest.approx(180)
+    assert got["version_lag_mean"] == pytest.approx(2.5) and got["version_lag_max"] == 4.0
+    assert set(e2e.trl_async_trained([{"loss": 1.0}]).values()) == {None}
