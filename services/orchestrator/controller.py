@@ -537,7 +537,7 @@ class Controller:
         """The prompts the staleness bound allows for the version just sent go out now (those of the batches after the
         one in training, if any): each worker starts them the moment it serves that version, while this cycle's
         metrics, evaluation, checkpoint and the driver's next call run. With max_staleness 0 that is the next batch,
-        sampled with the new version as before, no longer after the bookkeeping. Prompts held past the staleness bound
+        sampled with the new version while the bookkeeping runs. Prompts held past the staleness bound
         at an older version go out first (PromptSource.next): sampled with this one, they have the most time the bound
         gives."""
         self._gather(self._wanted(training=self.progress.training is not None), timeout=0.0)

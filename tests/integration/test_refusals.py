@@ -207,8 +207,7 @@ def shm_entries() -> set[str]:
 @pytest.mark.alone  # what it finds in /dev/shm is every process's: no other test beside it
 def test_no_semaphore_or_scratch_dir_is_left_in_dev_shm(tmp_path, tiny_model):
     """`tandem run` as a user runs it (its own embedded Ray), a job whose learner fails after the rollout workers
-    started: nothing is left in /dev/shm (before: the reward processes' semaphores and the engine's adapter
-    directory of each killed worker). The runs that train: the checkpoint test above."""
+    started: nothing is left in /dev/shm. The runs that train: the checkpoint test above."""
     before = shm_entries()
     job = write_job(tmp_path, tiny_model, model={"lora": {"r": 8, "lora_alpha": 16, "target_modules": ["foo_proj"]}})
     p = subprocess.run([sys.executable, "-m", "tandem.services.app.cli", "run", str(job)], capture_output=True, text=True,

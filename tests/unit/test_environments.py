@@ -157,7 +157,7 @@ def test_the_job_file_checks_and_weighs_the_environment(env_file, job_files, tmp
                                         (RuntimeError("no score"), r"raised RuntimeError: no score")])
 def test_get_reward_is_checked_as_a_reward_functions_values_are(tmp_path, value, said):
     """NaN, inf, a non-number or an error from get_reward fail that prompt naming the environment, the row and the
-    sample (before: NaN trained as 0.0); None is no reward for that sample, as a reward function's None."""
+    sample; None is no reward for that sample, as a reward function's None."""
     from tandem.rollout.rewards import RewardError
 
     p = tmp_path / "scored.py"

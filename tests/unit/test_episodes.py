@@ -339,9 +339,8 @@ def test_overwrite_keeps_the_jobs_model_and_full_fine_tuning_may_not_write_over_
 
 
 def test_calls_whose_replies_do_not_fit_are_counted_and_a_huge_reply_is_cut_before_it_is_rendered(tok):
-    """Calls that raised and whose error replies overflow the budget still count as calls and failures (before: 0 and
-    0); a 10 MB reply is cut to what could fit before the template renders it, so the episode ends at once (before:
-    every episode of the worker waited while the tokenizer read 10 MB), its call counted."""
+    """Calls that raised and whose error replies overflow the budget still count as calls and failures; a 10 MB reply
+    is cut to what could fit before the template renders it, so the episode ends at once, its call counted."""
     def shout(n: int) -> str:
         """A very long reply.
 

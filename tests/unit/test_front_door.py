@@ -97,7 +97,7 @@ def test_a_hub_dataset_not_in_the_cache_is_one_line_naming_it_and_the_cache(hub_
 def test_without_a_route_to_the_hub_the_cache_is_read_at_once_and_a_miss_is_one_line(hub_cache, tmp_path):
     """HF_HUB_OFFLINE not set on a machine that cannot reach the Hub (HF_ENDPOINT a closed port): the cached model and
     dataset are read from the cache and an uncached id is one line saying the Hub cannot be reached, in seconds, with
-    no retry lines (before: datasets retried each request 5 times over ~25 s, a line each)."""
+    no retry lines."""
     code = textwrap.dedent(f"""
         import time
         from tandem.core.config import JobConfigError

@@ -371,7 +371,7 @@ def checked_files(job_files, tiny_model):
 
 def test_tandem_check_reads_the_data_and_refuses_what_trains_nothing(checked_files, tmp_path, capsys):
     """A 0-row data file, a whitespace-only prompt (text or chat) and max_steps 0: each refused by `tandem check` in
-    one line naming the file and row or the field (before: 'valid')."""
+    one line naming the file and row or the field."""
     from tandem.services.app.cli import main
 
     data = tmp_path / "data.jsonl"
@@ -435,7 +435,7 @@ def test_a_bad_target_module_is_the_same_named_refusal_from_the_transformers_eng
 
 def test_tandem_check_calls_a_job_with_an_earlier_run_valid_and_says_what_run_would_do(checked_files, tmp_path, capsys):
     """After a run (as right after `make demo`), `tandem check` says valid and what `tandem run` would do with the
-    run in output_dir, as run itself decides it (before: "invalid")."""
+    run in output_dir, as run itself decides it."""
     from tandem.services.app.cli import main
 
     out = tmp_path / "run"
@@ -488,7 +488,7 @@ def test_submit_refuses_a_relative_run_directory_before_the_cluster(job_files, t
 def test_tandem_check_refuses_what_run_would_refuse_once_its_actors_started(job_files, tiny_model, tmp_path, capsys):
     """A target module the model lacks (the learner's and the engines' own refusal, on the model built from its config
     on the meta device) and an environment whose constructor needs arguments (one instance per episode is made with none): both
-    refused by `tandem check` in one line (before: "valid"); so are the prompts the controller cannot tokenise: a tools
+    refused by `tandem check` in one line; so are the prompts the controller cannot tokenise: a tools
     job whose template has no tool turns or whose prompts are text, a system prompt that pushes a prompt past
     max_prompt_length, a model without a tokenizer."""
     from tandem.services.app.cli import main
@@ -517,7 +517,7 @@ def test_tandem_check_refuses_what_run_would_refuse_once_its_actors_started(job_
                            "{% endif %}")
     plain.save_pretrained(plain_model)
     data = job_files["data"]["path"]
-    cases.update({  # what the controller refuses as it tokenises the prompts (before: "valid")
+    cases.update({  # what the controller refuses as it tokenises the prompts
         "no tool turns": ({"tools": tools, "model": {**base["model"], "path": str(plain_model)}},
                           f"model {str(plain_model)!r}: its chat template does not render tool messages"),
         "text prompts": ({"tools": tools, "model": {**base["model"], "path": str(tools_model)}},

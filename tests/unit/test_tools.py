@@ -105,7 +105,7 @@ def test_the_schema_comes_from_hints_and_docstring():
 
 def test_sync_calls_past_their_limit_are_counted_and_a_call_that_would_only_queue_fails_named():
     """A hung sync tool's thread runs on after its time limit: with every thread taken by such calls, the next sync
-    call fails at once saying why (before: it queued and timed out as "no result within 1 s"), an async one still
+    call fails at once saying why, an async one still
     runs, and once the hung calls end the threads serve again."""
     from tandem.rollout import tools as tools_module
 
