@@ -25,7 +25,9 @@ LONG = 300  # tokens: the random model rarely samples EOS, so most sequences are
 
 
 def engine_steps(ray, worker) -> int:
-    return ray.get(worker.__ray_call__.remote(lambda self: self.loop._steps if self.loop._running else 0))
+    """The engine steps the request running in the worker's engine has been through (0: none runs)."""
+    return ray.get(worker.__ray_call__.remote(
+        lambda self: max((self.loop._steps - r.first_step for r in self.loop._running.values()), default=0)))
 
 
 def learner_logprobs(learner, group, adapter) -> torch.Tensor:
@@ -41,38 +43,51 @@ def learner_logprobs(learner, group, adapter) -> torch.Tensor:
         return completion_logprobs(learner, mb, 1.0)[0]
 
 
-@pytest.mark.parametrize("path,kv", [("lora", "recompute"), ("merged", "recompute"), ("lora", "keep")])
+@pytest.mark.parametrize("path", ["lora", "merged"])
 def test_a_publish_mid_sequence_reaches_the_running_sequences_each_token_with_its_version(
-        ray_session, tiny_model, tmp_path, path, kv):
+        ray_session, tiny_model, tmp_path, path):
     """A training group's request at max_staleness 1, published to after 40 of its engine's steps: set_adapter
     returns while it runs (merged too: nothing drains), no sequence is stopped, and each completion's tokens carry
-    version 0 then version 1 from where that sequence stood at the load. The tokens before it have the base model's
-    log-probs; with the cache recomputed, those after it are exactly the new adapter's over the whole sequence
-    (what the learner computes); with the cache kept they are not (they attend to the old weights' keys and values)."""
+    the version served before, then the new one, from where that sequence stood at the load. The tokens before it have
+    the old policy's log-probs (the base model's at the first publish); with the cache recomputed, those after it are
+    exactly the new adapter's over the whole sequence (what the learner computes); with the cache kept (the LoRA
+    worker's second publish, its mode switched) they are not: they attend to the old weights' keys and values."""
     job = make_job(tmp_path, tiny_model, [REWARD], generation={"max_completion_length": LONG},
-                   cluster={"max_staleness": 1, "vllm_merge_adapter": path == "merged", "inflight_kv": kv})
+                   cluster={"max_staleness": 1, "vllm_merge_adapter": path == "merged"})
     w, ready = start_rollout_worker(job, 3)
     ray_session.get(ready)
     learner = load_policy(job).eval()
-    new = adapter_like(learner, 7)
+    kvs = ["recompute", "keep"] if path == "lora" else ["recompute"]  # keep: the same worker, its mode switched
+    for version, kv in enumerate(kvs, start=1):
+        ray_session.get(w.__ray_call__.remote(lambda self, kv=kv: setattr(self.engine, "inflight", kv)))
+        publish_mid_sequence(ray_session, w, learner, version, kv, path)
+    stats = ray_session.get(w.stats.remote())
+    assert stats["stopped_stale"] == 0 and stats["stale_sequence_steps"] == 0
+    ray_session.get(w.shutdown.remote())
+    ray_session.kill(w)
+
+
+def publish_mid_sequence(ray_session, w, learner, version: int, kv: str, path: str) -> None:
+    """One training request, version `version` published after 40 of its engine steps: the checks above."""
+    old, new = (None if version == 1 else adapter_like(learner, 6 + version - 1)), adapter_like(learner, 6 + version)
     rng = np.random.default_rng(1)
-    item = PromptItem(group_id=1, index=0, prompt_ids=rng.integers(3, 500, size=9).astype(np.int32), prompt="p")
+    item = PromptItem(group_id=version, index=0, prompt_ids=rng.integers(3, 500, size=9).astype(np.int32), prompt="p")
     meta_ref, group_ref = w.rollout.options(num_returns=2).remote(item)
     deadline = time.time() + 60
     while engine_steps(ray_session, w) < 40:
         assert time.time() < deadline, "the request never ran 40 steps"
         time.sleep(0.01)
-    assert ray_session.get(w.set_adapter.remote(1, new)) == 1
+    assert ray_session.get(w.set_adapter.remote(version, new)) == version
     assert not ray_session.wait([meta_ref], timeout=0)[0], "the publish waited for the running request"
     meta, group = ray_session.get([meta_ref, group_ref])
-    assert not meta.get("failure") and meta["version"] == 1 and meta["first_version"] == 0
+    assert not meta.get("failure") and meta["version"] == version and meta["first_version"] == version - 1
     crossed = [g for g in range(group.num_generations) if len(np.unique(group.completion_versions(g))) == 2]
     assert crossed and meta["inflight_updated"] == len(crossed)
-    old_lp, new_lp = learner_logprobs(learner, group, None), learner_logprobs(learner, group, new)
+    old_lp, new_lp = learner_logprobs(learner, group, old), learner_logprobs(learner, group, new)
     for g in range(group.num_generations):
         v, got = group.completion_versions(g), torch.from_numpy(group.completion_logprobs(g).copy())
-        before = int((v == 0).sum())
-        assert (v[:before] == 0).all() and (v[before:] == 1).all()  # one boundary, in order
+        before = int((v == version - 1).sum())
+        assert (v[:before] == version - 1).all() and (v[before:] == version).all()  # one boundary, in order
         assert (got[:before] - old_lp[g, :before]).abs().max() <= TOL if before else True
         if g in crossed:
             assert before >= 30, before  # where the sequence stood at the load: after the 40 steps waited for
@@ -81,10 +96,6 @@ def test_a_publish_mid_sequence_reaches_the_running_sequences_each_token_with_it
                 assert float(gaps.max()) > 1e-3
             else:  # merged: W + BA rounded once per publish, over up to 300 tokens of fp32 (the LoRA path: 1e-5)
                 assert float(gaps.max()) <= (TOL if path == "lora" else 3 * TOL) and float(gaps.mean()) <= TOL
-    stats = ray_session.get(w.stats.remote())
-    assert stats["stopped_stale"] == 0 and stats["stale_sequence_steps"] == 0
-    ray_session.get(w.shutdown.remote())
-    ray_session.kill(w)
 
 
 def test_k1_on_a_long_tail_stops_nothing_and_trains_every_prompt_once(ray_session, tmp_path, tiny_model):
