@@ -85,6 +85,10 @@ def rollout_stats(s: Samples, G: int, weights, version: int, rewards: np.ndarray
         "completion_length_p50": float(np.percentile(lengths, 50)),
         "completion_length_p95": float(np.percentile(lengths, 95)),
         "frac_truncated": float(1 - s.eos.mean()),
+        # TRL's completions/*_terminated_length: the completions that ended by EOS (0 where none did)
+        "completion_length_terminated": float(lengths[s.eos].mean()) if s.eos.any() else 0.0,
+        "completion_length_terminated_min": float(lengths[s.eos].min()) if s.eos.any() else 0.0,
+        "completion_length_terminated_max": float(lengths[s.eos].max()) if s.eos.any() else 0.0,
         "version_lag": float(np.mean(version - s.versions)),
         "version_lag_max": float(np.max(version - s.versions)),
         **token_accounting(s, version),

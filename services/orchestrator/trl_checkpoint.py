@@ -29,7 +29,14 @@ TRL_NAMES = {
     "tis/weight_min": "sampling/importance_sampling_ratio/min",
     "tis/weight_max": "sampling/importance_sampling_ratio/max",
     "tis/sampler_abs_diff_mean": "sampling/sampling_logp_difference/mean",
+    "completion_length_terminated": "completions/mean_terminated_length",
+    "completion_length_terminated_min": "completions/min_terminated_length",
+    "completion_length_terminated_max": "completions/max_terminated_length",
+    "cycle_s": "step_time",
 }
+# TRL's min / max over processes of a clip fraction: one learner's own value (Tandem's learner reduces over its ranks
+# as learner/metrics.py says: the same number with one rank)
+TRL_ALSO = {"clip_ratio/low_mean": "clip_ratio/low_min", "clip_ratio/high_mean": "clip_ratio/high_max"}
 _REWARD_COLUMN = re.compile(r"rewards/(\d+)/(mean|std)")
 
 
@@ -62,6 +69,10 @@ def log_rows(line: dict, rewards: list[str], epochs: Epochs | None) -> list[dict
     where TRL has the metric, Tandem's others as they are; `epoch` and `step` last."""
     train, evaluation = {}, {}
     for k, v in line.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue  # a logger expects numbers: dicts (staleness_hist), None (learner/mfu off a GPU) and text stay out
+        if k in TRL_ALSO:
+            train[TRL_ALSO[k]] = v
         if k.startswith("eval/"):
             evaluation[f"eval_{trl_name(k[5:], rewards)}"] = v
         elif k == "eval_s":
@@ -74,7 +85,18 @@ def log_rows(line: dict, rewards: list[str], epochs: Epochs | None) -> list[dict
 
 
 def log_history(lines: list[dict], rewards: list[str], epochs: Epochs | None) -> list[dict]:
-    return [row for x in lines if "step" in x for row in log_rows(x, rewards, epochs)]
+    """Every line's rows, each training row with TRL's `num_tokens`: the tokens trained so far (the loss's tokens of
+    every step up to it; TRL counts prompt tokens too, which Tandem's metrics do not hold)."""
+    out, seen = [], 0.0
+    for x in lines:
+        if "step" not in x:
+            continue
+        seen += float(x.get("tokens") or 0.0)
+        rows = log_rows(x, rewards, epochs)
+        if rows and "loss" in rows[0]:
+            rows[0] = {"num_tokens": seen} | rows[0]
+        out += rows
+    return out
 
 
 def trainer_state(lines: list[dict], cfg, global_step: int, max_steps: int, epochs: Epochs | None) -> dict:

@@ -191,3 +191,21 @@ def test_callbacks_see_each_step_once_as_the_file_grows_and_after_a_restart_cuts
     events.after_cycle()
     assert seen == [("eval", 0), ("step", 1), ("step", 2), ("step", 3)]
     assert [r["step"] for r in events.state.log_history] == [0, 1, 2, 3]
+
+
+def test_log_history_carries_trls_keys_and_numbers_only():
+    """What a logger reads from `trainer.state.log_history`: TRL's `num_tokens` (the trained tokens so far), `step_time`,
+    `completions/*_terminated_length`, `clip_ratio/low_min` and `clip_ratio/high_max`, and no dict (staleness_hist),
+    None (learner/mfu off a GPU) or text among the values."""
+    lines = [{"step": 1, "loss": 0.5, "tokens": 30.0, "cycle_s": 0.2, "staleness_hist": {"0": 4}, "learner/mfu": None,
+              "completion_length_terminated": 7.0, "completion_length_terminated_min": 3.0,
+              "completion_length_terminated_max": 9.0, "clip_ratio/low_mean": 0.1, "clip_ratio/high_mean": 0.2},
+             {"step": 2, "loss": 0.4, "tokens": 20.0, "cycle_s": 0.3}]
+    rows = log_history(lines, ["r"], None)
+    first, second = rows
+    assert (first["num_tokens"], second["num_tokens"]) == (30.0, 50.0) and first["step_time"] == 0.2
+    assert (first["completions/mean_terminated_length"], first["completions/min_terminated_length"],
+            first["completions/max_terminated_length"]) == (7.0, 3.0, 9.0)
+    assert (first["clip_ratio/low_min"], first["clip_ratio/high_max"]) == (0.1, 0.2)
+    assert all(isinstance(v, (int, float)) and not isinstance(v, bool) for r in rows for v in r.values())
+    assert "staleness_hist" not in first and "learner/mfu" not in first
