@@ -211,6 +211,11 @@ def plan_upload(working_dir: str, allow: list[str] = ()) -> UploadPlan:
                 plan.held.append((rel, f"looks like it holds a secret: {found}"))
             else:
                 plan.sent.append((rel, size))
+    matched = {a for a in allowed for rel, _ in plan.sent if rel == a or rel.startswith(a.rstrip("/") + "/")}
+    if unmatched := [path for path, a in zip(allow, allowed) if a not in matched]:
+        raise JobConfigError(f"--allow {unmatched[0]!r}: matches no file of the upload from {str(root)!r} (ignored by "
+                             ".gitignore or .rayignore, or not there); allowed: a path as the upload list prints it, "
+                             "or a folder holding some of them")
     return plan
 
 

@@ -259,6 +259,9 @@ def test_the_staged_upload_holds_exactly_the_files_listed_whatever_their_names(t
     assert dict(plan_upload(str(tmp_path), allow=[str(tmp_path / "keys")]).sent).keys() >= {"keys/server.key"}
     with pytest.raises(JobConfigError, match=r"--allow '/etc/passwd': not inside the uploaded directory"):
         plan_upload(str(tmp_path), allow=["/etc/passwd"])
+    # an --allow that matches nothing is said, not silently ignored (a typo would send nothing it meant to)
+    with pytest.raises(JobConfigError, match=r"--allow 'setings.py': matches no file of the upload"):
+        plan_upload(str(tmp_path), allow=["settings.py", "setings.py"])
 
 
 def test_submit_by_default_sends_what_the_job_names_and_the_modules_they_import(tmp_path, monkeypatch, capsys):
