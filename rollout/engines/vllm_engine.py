@@ -223,11 +223,14 @@ class VLLMEngine(Engine):
         self.weights_version = 0
         self.served = 0  # the newest version loaded: live requests sample with it
         self._latest = None  # (version, tensors) of the newest adapter: a pinned request's LoRA made from it on demand
-        self._live = None  # the live slot's LoRARequest (LoRA served in flight)
-        if self.updates_in_flight and lora is not None and not merged:
-            self._live = LoRARequest_(LIVE, self._new_lora_id(), str(self._adapter_root))
-            self.llm.collective_rpc("tandem_zero_lora", args=(self._live.lora_int_id, LIVE, str(self._adapter_root),
-                                                              max(8, lora.r)))
+        self._live = self._live_slot() if self.updates_in_flight and lora is not None and not merged else None
+
+    def _live_slot(self):
+        """The LoRARequest that live requests sample with, holding zeros (the base model) until the first publish."""
+        live = LoRARequest_(LIVE, self._new_lora_id(), str(self._adapter_root))
+        self.llm.collective_rpc("tandem_zero_lora", args=(live.lora_int_id, LIVE, str(self._adapter_root),
+                                                          max(8, self.lora.r)))
+        return live
 
     # ------------------------------------------------------------------------------- sampling
 
