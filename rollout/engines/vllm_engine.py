@@ -246,13 +246,12 @@ class VLLMEngine(Engine):
     def _lora(self, adapter):
         if adapter is None:
             return None
-        if adapter not in self._adapters and self._latest is not None and self._latest[0] == adapter \
-                and not self.serves_one_version:
-            self._register(*self._latest)  # in flight, a version's own LoRA is made for the request pinned to it
         if self.serves_one_version:
             if adapter != self.weights_version:
                 raise KeyError(f"VLLMEngine: adapter version {adapter} is not the merged one ({self.weights_version})")
             return None
+        if adapter not in self._adapters and self._latest is not None and self._latest[0] == adapter:
+            self._register(*self._latest)  # in flight, a version's own LoRA is made for the request pinned to it
         if adapter not in self._adapters:
             raise KeyError(f"VLLMEngine: adapter version {adapter} not loaded (have {sorted(self._adapters)})")
         return self._adapters[adapter]
@@ -370,7 +369,7 @@ class VLLMEngine(Engine):
             items = [(k, v.detach().cpu()) for k, v in pairs]
         self.llm.collective_rpc("tandem_load_weights", args=(items,))
         if self.inflight == "recompute":
-            self._recompute_running()
+            self.llm.reset_prefix_cache(reset_running_requests=True)  # running requests resume under the new weights
         else:  # cached KV was computed with the old weights (with requests running vLLM keeps it: cache_salt)
             self.llm.reset_prefix_cache()
         self.weights_version = self.served = version

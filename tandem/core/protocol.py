@@ -114,12 +114,10 @@ def group_meta(r: RolloutGroup | RolloutFailure, informative: bool = True) -> di
     # version: the one it finished under, which the staleness bound reads (in flight, its older tokens are the
     # learner's to mask); first_version: the one it started with
     meta = {"version": r.newest_version, "first_version": r.version, "tokens": int(len(r.tokens)),
-            "group_id": r.group_id, "informative": informative,
-            "inflight_updated": 0 if r.token_versions is None else int(sum(
-                len(np.unique(r.completion_versions(g))) > 1 for g in range(r.num_generations)))}
+            "group_id": r.group_id, "informative": informative, "inflight_updated": 0}
     if r.token_versions is not None:  # each completion's versions, first to last (logging.group_trace)
-        meta["completion_versions"] = [sorted({int(v) for v in r.completion_versions(g)})
-                                       for g in range(r.num_generations)]
+        versions = [np.unique(r.completion_versions(g)).tolist() for g in range(r.num_generations)]
+        meta.update(completion_versions=versions, inflight_updated=sum(len(v) > 1 for v in versions))
     if r.episodes is not None:
         meta["episodes"] = r.episodes
     return meta
