@@ -149,6 +149,7 @@ def tandem_job(paths, wl, k, args, mode="server"):
         "grpo": {"loss_type": "dapo", "beta": 0.0},
         "optimizer": {"learning_rate": wl["lr"], "lr_scheduler_type": "constant"},
         "cluster": {"num_rollout_workers": 1, "max_staleness": k, "vllm_mode": mode,
+                    "inflight_updates": wl.get("inflight_updates", True),  # --set inflight_updates=false: pinned
                     "rollout_resources": res(args.rollout_gpus if gpu else 0),
                     "learner_resources": res(args.learner_gpus if gpu else 0),
                     "vllm_gpu_memory_utilization": args.vllm_memory},
@@ -176,16 +177,25 @@ def table(out: Path) -> str:
     c = {n: json.loads((out / f"{n}.json").read_text()) for n in CANDIDATES if (out / f"{n}.json").is_file()}
     fmt = lambda v, p=2: "—" if v is None else f"{v:.{p}f}"  # noqa: E731
     ratio = lambda r, peer: r["completions_per_s"] / c[peer]["completions_per_s"] if peer in c else None  # noqa: E731
+    # what was trained beside what was sampled: groups dropped past the bound, the share of sampled tokens no training
+    # took (TRL's masked share counts the tool results' tokens too, which no trainer trains: not comparable), the
+    # model's tokens trained per completion, each trained token's version lag
     lines = ["| candidate | completions/s | × trl_async | × trl_tools | s/step | turns/episode | tool calls/episode | "
-             "GPU busy | peak GPU GiB | reward first → last |", "|" + " --- |" * 10]
+             "GPU busy | peak GPU GiB | reward first → last | groups dropped | wasted | trained tok / completion | "
+             "lag mean / max |", "|" + " --- |" * 14]
+    pct = lambda v: "—" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     for n, r in c.items():
         lines.append(f"| {n} | {fmt(r['completions_per_s'], 1)} | {fmt(ratio(r, 'trl_async'))} | "
                      f"{fmt(ratio(r, 'trl_tools'))} | {fmt(r['s_per_step'], 2)} | "
                      f"{fmt(r.get('turns_per_episode'))} | {fmt(r.get('tool_calls_per_episode'))} | "
                      f"{fmt(r.get('gpu_busy_frac'))} | {fmt(r.get('peak_gpu_gib'), 1)} | "
-                     f"{fmt(r.get('reward_first'))} → {fmt(r.get('reward_last'))} |")
+                     f"{fmt(r.get('reward_first'))} → {fmt(r.get('reward_last'))} | "
+                     f"{r.get('stale_dropped', '—')} | {pct(r.get('wasted_frac'))} | "
+                     f"{fmt(r.get('trained_tokens_per_completion'), 0)} | "
+                     f"{fmt(r.get('version_lag_mean'))} / {fmt(r.get('version_lag_max'), 0)} |")
     (out / "agentic.json").write_text(json.dumps({"candidates": {n: {k: r.get(k) for k in KEYS + (
-        "reward_first", "reward_last", "launch_to_first_step_s", "settings")} for n, r in c.items()}}, indent=1))
+        "reward_first", "reward_last", "launch_to_first_step_s", "settings", "stale_dropped", "wasted_frac",
+        "trained_tokens_per_completion", "version_lag_mean", "version_lag_max")} for n, r in c.items()}}, indent=1))
     return "\n".join(lines)
 
 

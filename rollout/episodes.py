@@ -11,7 +11,10 @@ tokenization sanity check and TRL's patched templates guard the same trap).
 
 Each episode is a coroutine: its turns wait on the engine loop without a thread, its tools run concurrently with
 every other episode's turns and tools (a group's episodes share one event loop in the calling thread; groups run
-in the worker's call threads). One episode samples every turn with its group's version (pinned)."""
+in the worker's call threads). A training group's episodes in flight (`live`: the engine loop's in-flight mode) sample
+every turn on the newest version, each token keeping the version that sampled it (a publish lands mid-turn or between
+two turns, as it does in a single-turn request); otherwise (an evaluation, `cluster.inflight_updates: false`) every
+turn samples with its group's version (pinned)."""
 
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ class Episode:
     ids: list[int] = field(default_factory=list)
     mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the version that sampled each token (tools: their turn's)
     messages: list[dict] = field(default_factory=list)
     turns: int = 0
     tool_calls: int = 0
@@ -62,10 +66,12 @@ class Episode:
     ended: str = "answer"
     eos: bool = True  # the last turn ended with EOS (False: cut by the budget)
 
-    def add_turn(self, c: Completion, message: dict) -> None:
+    def add_turn(self, c: Completion, message: dict, version: int) -> None:
+        """A model turn sampled on `version` (its tokens' own where it crossed a publish: c.versions)."""
         self.ids += [int(t) for t in c.tokens]
         self.mask += [True] * len(c.tokens)
         self.logprobs += [float(x) for x in c.logprobs]
+        self.versions += [version] * len(c.tokens) if c.versions is None else [int(v) for v in c.versions]
         self.messages.append(message)
         self.turns += 1
         self.eos = bool(c.eos)
@@ -80,16 +86,18 @@ class Episode:
         self.ids += suffix
         self.mask += [False] * len(suffix)
         self.logprobs += [0.0] * len(suffix)
+        self.versions += self.versions[-1:] * len(suffix)
         self.messages += messages
 
     def after(self, lead: list[int]) -> None:
         """Context before the episode's first turn (its own prompt's ids past the group's): not the model's."""
         self.ids, self.mask = list(lead) + self.ids, [False] * len(lead) + self.mask
         self.logprobs = [0.0] * len(lead) + self.logprobs
+        self.versions = self.versions[:1] * len(lead) + self.versions
 
     def completion(self) -> Completion:
         return Completion(np.asarray(self.ids, dtype=np.int32), np.asarray(self.logprobs, dtype=np.float32), self.eos,
-                          np.asarray(self.mask, dtype=bool))
+                          np.asarray(self.mask, dtype=bool), np.asarray(self.versions, dtype=np.int32))
 
 
 class ToolTurnTemplate:
@@ -152,8 +160,8 @@ class ToolTurnTemplate:
 class EpisodeRunner:
     """Runs the G episodes of a group from their first turns (sampled together, one request of n = G):
     `await runner.run(first_turns, prompt_ids, version, sampling)` -> G Episodes, every later turn sampled as the
-    first (the same sampling parameters, n = 1, the budget left) on the same version; `submit` hands the engine loop
-    a command."""
+    first (the same sampling parameters, n = 1, the budget left) on the same version, or on the newest where `live`
+    (in flight); `submit` hands the engine loop a command."""
 
     def __init__(self, tokenizer, template: ToolTurnTemplate, tools: dict[str, Callable], limits: EpisodeLimits,
                  submit: Callable, parser: str = "hermes", isolated: IsolatedTools | None = None):
@@ -166,17 +174,21 @@ class EpisodeRunner:
             self.isolated.close()
 
     async def group(self, prompts: list[np.ndarray], sampling: Sampling, min_version: int = 0,
-                    tools: list[dict] | None = None) -> tuple[list[Episode], int, float]:
-        """The n = sampling.n episodes of one prompt, all on one version -> (episodes, version, when sampling began).
-        prompts: one (every episode begins from it: one request of n) or n (an environment's reset text made them
-        differ: n requests of one, the later pinned to the version the first started on); tools: each episode's own
-        (an environment's methods), else the runner's."""
+                    tools: list[dict] | None = None, live: bool = False) -> tuple[list[Episode], int, float]:
+        """The n = sampling.n episodes of one prompt -> (episodes, the version the first turn started on, when
+        sampling began). prompts: one (every episode begins from it: one request of n) or n (an environment's reset
+        text made them differ: n requests of one); tools: each episode's own (an environment's methods), else the
+        runner's. Pinned (not live): every turn on the first turn's version, held once per episode until it ends.
+        live: a training group's turns in flight, each on the newest version (a training request, held by nothing)."""
         n = sampling.n
-        reqs = [Request(prompts[0], sampling if len(prompts) == 1 else dataclasses.replace(sampling, n=1), min_version)]
-        self.submit(Sample(reqs[0], hold=n))  # the first turn holds the version once per episode
+        one = sampling if len(prompts) == 1 else dataclasses.replace(sampling, n=1)
+        reqs = [Request(prompts[0], one, min_version, stoppable=live)]
+        self.submit(Sample(reqs[0], hold=0 if live else n))  # pinned: the first turn holds the version per episode
         if len(prompts) > 1:
-            await started(reqs[0])
-            reqs += [Request(p, reqs[0].sampling, pin=reqs[0].version) for p in prompts[1:]]
+            if not live:
+                await started(reqs[0])
+            reqs += [Request(p, one, min_version, stoppable=live, pin=None if live else reqs[0].version)
+                     for p in prompts[1:]]
             for r in reqs[1:]:
                 self.submit(Sample(r))
         await asyncio.gather(*(finished(r) for r in reqs))
@@ -185,34 +197,36 @@ class EpisodeRunner:
             for _ in range(reqs[0].hold):  # the episodes that will not run give the version back
                 self.submit(Release(reqs[0].version))
             raise error
-        v = reqs[0].version
-        first = reqs[0].result if len(reqs) == 1 else [r.result[0] for r in reqs]
-        eps = await asyncio.gather(*(self._released(c, prompts[i % len(prompts)], v, sampling,
-                                                    tools[i] if tools else self.tools) for i, c in enumerate(first)))
-        return list(eps), v, reqs[0].submitted
+        first = [(c, reqs[0].version) for c in reqs[0].result] if len(reqs) == 1 else [
+            (r.result[0], r.version) for r in reqs]
+        run = self.episode if live else self._released
+        eps = await asyncio.gather(*(run(c, prompts[i % len(prompts)], v, sampling, tools[i] if tools else self.tools,
+                                         live) for i, (c, v) in enumerate(first)))
+        return list(eps), reqs[0].version, reqs[0].submitted
 
     async def run(self, first: list[Completion], prompt_ids: np.ndarray, version: int, sampling: Sampling
                   ) -> list[Episode]:
-        """Episodes from first turns sampled already (each releases the version when it ends: the first turn held
-        it once per episode)."""
+        """Episodes from first turns sampled already, pinned (each releases the version when it ends: the first turn
+        held it once per episode)."""
         return list(await asyncio.gather(*(self._released(c, prompt_ids, version, sampling, self.tools)
                                            for c in first)))
 
     async def _released(self, first: Completion, prompt_ids: np.ndarray, version: int, sampling: Sampling,
-                        tools: dict) -> Episode:
+                        tools: dict, live: bool = False) -> Episode:
         try:
             return await self.episode(first, prompt_ids, version, sampling, tools)
         finally:
             self.submit(Release(version))
 
     async def episode(self, turn: Completion, prompt_ids: np.ndarray, version: int, sampling: Sampling,
-                      tools: dict | None = None) -> Episode:
+                      tools: dict | None = None, live: bool = False) -> Episode:
+        """One episode from its first turn, sampled on `version`; its later turns pinned to it, or live."""
         ep, lim, rounds, tools = Episode(), self.limits, 0, self.tools if tools is None else tools
         prompt = [int(t) for t in prompt_ids]
         while True:
             text = self.tok.decode([int(t) for t in turn.tokens], skip_special_tokens=True)
             parsed = self.parser.parse(text)
-            ep.add_turn(turn, assistant_message(text, parsed.calls))
+            ep.add_turn(turn, assistant_message(text, parsed.calls), version)
             if not turn.eos:
                 ep.ended = "budget"  # cut mid-turn: whatever it began is not run
                 return ep
@@ -236,16 +250,18 @@ class EpisodeRunner:
                 return ep
             ep.add_tools(suffix, messages)
             rounds += 1
-            turn = await self._next_turn(prompt + ep.ids, dataclasses.replace(
-                sampling, n=1, max_tokens=min(sampling.max_tokens, lim.budget) - len(ep.ids)), version)
+            turn, version = await self._next_turn(prompt + ep.ids, dataclasses.replace(
+                sampling, n=1, max_tokens=min(sampling.max_tokens, lim.budget) - len(ep.ids)), version, live)
 
-    async def _next_turn(self, ids: list[int], sampling: Sampling, version: int) -> Completion:
-        req = Request(np.asarray(ids, dtype=np.int32), sampling, pin=version)
+    async def _next_turn(self, ids: list[int], sampling: Sampling, version: int, live: bool
+                         ) -> tuple[Completion, int]:
+        """The next turn -> (it, the version it started on): pinned to `version`, or live on the newest."""
+        req = Request(np.asarray(ids, dtype=np.int32), sampling, stoppable=live, pin=None if live else version)
         self.submit(Sample(req))
         await finished(req)
         if req.error is not None:
             raise req.error
-        return req.result[0]
+        return req.result[0], req.version
 
 
 CHARS_PER_TOKEN = 16  # a cap in characters safely above any tokenizer's: what is cut could never have fit

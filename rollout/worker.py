@@ -223,8 +223,9 @@ class RolloutWorker:
         episodes of each item, all of them at once on the worker's event loop (rollout/episodes.py). training: the
         requests are training groups', stopped once they can no longer be trained (a RolloutFailure with its
         stale_version: rollout/engine_loop.py)."""
-        if self.episodes is not None:
-            return self.episodes_loop.run(run_groups(self, items, sampling))
+        if self.episodes is not None:  # a training group's episodes in flight where its single turn would be
+            live = training and self.loop.inflight and self.engine.updates_in_flight
+            return self.episodes_loop.run(run_groups(self, items, sampling, live))
         per_prompt = self.cfg.generation.seed_per_prompt
         reqs = [Request(it.prompt_ids, seeded(sampling, self.cfg.seed, it.group_id) if per_prompt else sampling,
                         it.min_version, stoppable=training) for it in items]
@@ -234,15 +235,20 @@ class RolloutWorker:
         for it, r in zip(items, reqs):
             r.done.wait()
             if isinstance(r.error, StaleRequest):
-                with self._lock:  # the run's end stops what no training would take: not the bound's
-                    self._stats["stopped_at_end" if isinstance(r.error, RunEnded) else "stopped_stale"] += 1
-                out.append(RolloutFailure(it.group_id, it.index, f"dataset row {it.index}: {r.error}", self.worker_id,
-                                          stale_version=r.error.version))
+                out.append(self.stopped(it, r.error))
             elif r.error is not None:
                 raise r.error
             else:
                 out.append(Sampled(r.result, r.version, r.submitted))
         return out
+
+    def stopped(self, it: PromptItem, e: StaleRequest) -> RolloutFailure:
+        """A training request the loop stopped, counted: at the run's end (what no training would take) or for the
+        bound."""
+        with self._lock:
+            self._stats["stopped_at_end" if isinstance(e, RunEnded) else "stopped_stale"] += 1
+        return RolloutFailure(it.group_id, it.index, f"dataset row {it.index}: {e}", self.worker_id,
+                              stale_version=e.version)
 
     def episode_prompts(self, it: PromptItem, observations: list[str | None]) -> list[np.ndarray]:
         """The item's prompt ids, or each episode's: the prompt with its environment's reset text after the last
@@ -367,13 +373,14 @@ def seeded(sampling: Sampling, seed: int, group_id: int) -> Sampling:
     return dataclasses.replace(sampling, seed=(seed * 1_000_003 + group_id) % (2**31 - 1))
 
 
-async def run_groups(worker, items: list[PromptItem], sampling: Sampling) -> list[Sampled | RolloutFailure]:
-    """Every item's episodes at once. Functions, not methods: an actor class with a coroutine method becomes an
-    asyncio actor in Ray, whose calls share one thread (publishing would wait behind a rollout)."""
-    return list(await asyncio.gather(*(item_episodes(worker, it, sampling) for it in items)))
+async def run_groups(worker, items: list[PromptItem], sampling: Sampling, live: bool = False
+                     ) -> list[Sampled | RolloutFailure]:
+    """Every item's episodes at once (live: in flight). Functions, not methods: an actor class with a coroutine
+    method becomes an asyncio actor in Ray, whose calls share one thread (publishing would wait behind a rollout)."""
+    return list(await asyncio.gather(*(item_episodes(worker, it, sampling, live) for it in items)))
 
 
-async def item_episodes(w, it: PromptItem, sampling: Sampling) -> Sampled | RolloutFailure:
+async def item_episodes(w, it: PromptItem, sampling: Sampling, live: bool = False) -> Sampled | RolloutFailure:
     """One item's episodes: with an environment, one instance each (reset with the dataset row; a reset that raises
     fails the prompt as a reward function does) and its methods among the episode's tools; episodes that begin
     from their own prompts keep the group's prompt (their common start) and carry the rest as context."""
@@ -386,7 +393,10 @@ async def item_episodes(w, it: PromptItem, sampling: Sampling) -> Sampled | Roll
         except (EnvironmentResetError, PromptError) as e:
             return RolloutFailure(it.group_id, it.index, str(e), w.worker_id, retryable=False)
         tools = [dict(w.episodes.tools, **w.environments.tools(e)) for e in envs]
-    eps, version, submitted = await w.episodes.group(prompts, sampling, it.min_version, tools)
+    try:
+        eps, version, submitted = await w.episodes.group(prompts, sampling, it.min_version, tools, live)
+    except StaleRequest as e:  # a live turn the run's end stopped (RunEnded): the prompt is left for a resume
+        return w.stopped(it, e)
     group_prompt = None
     if len(prompts) > 1:  # the group's prompt is their common start; each episode carries the rest as context
         start = common_prefix(prompts)

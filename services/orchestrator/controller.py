@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from tandem.core.config import JobConfigError
-from tandem.core.engine_memory import oversample_prompts
+from tandem.core.engine_memory import oversample_prompts, token_lag_bound
 from tandem.core.errors import RewardContractError
 from tandem.core.plan import BatchPlan
 from tandem.core.protocol import errors_as_text
@@ -208,7 +208,8 @@ class Controller:
             self.mirror.pull()  # a resumed run's record, to cut back and append to
         self.out.mkdir(parents=True, exist_ok=True)
         rows, content = self._read_data(own_process)
-        self.buffer = GroupBuffer(cfg.cluster.max_staleness, rows, cfg.grpo.dynamic_sampling,
+        bound = token_lag_bound(cfg)  # in flight, a group goes only when the loss would mask all of it
+        self.buffer = GroupBuffer(cfg.cluster.max_staleness if bound is None else bound, rows, cfg.grpo.dynamic_sampling,
                                   int(cfg.grpo.max_oversampling * self.plan.unique_prompts))
         self.record = TrainedRecord(rows)
         self.failures = FailureLog(self.out / "failed_prompts.jsonl", cfg.rewards, self.plan.unique_prompts, rows, say)

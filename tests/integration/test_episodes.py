@@ -4,9 +4,11 @@ the calculator example's, briefly warmed up to write tool calls (examples/calcul
 import json
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
 from examples.calculator.prepare import build
 from tandem.core.protocol import PromptItem, RolloutGroup
@@ -49,8 +51,6 @@ def test_model_tokens_logprobs_match_transformers_across_turns_under_the_samplin
     computes it on the concatenated ids under the version that sampled it (an adapter published first); the tool
     tokens carry the tool's result, mask 0 and log-prob 0. The tools run in the worker's child processes
     (tool_isolation: process): their replies reach the episodes as a thread's would."""
-    from transformers import AutoTokenizer
-
     job = tool_job(tmp_path, tool_model, cluster={"vllm_merge_adapter": False}).model_copy(
         update={"tool_isolation": "process"})
     w = start_rollout_worker(job, 0)[0]
@@ -86,6 +86,54 @@ def test_model_tokens_logprobs_match_transformers_across_turns_under_the_samplin
         assert answered >= 1, "some calls should reach the tool in its process and come back with its result"
         st = ray_session.get(w.stats.remote())
         assert st["groups"] == 3
+    finally:
+        ray_session.get(w.shutdown.remote())
+        ray_session.kill(w)
+
+
+def test_a_publish_lands_in_a_training_groups_episodes_each_token_with_its_version(ray_session, tool_model, tmp_path):
+    """In flight (max_staleness 1, the default): a training group's episodes follow a publish that lands during
+    their first turns: the tokens after it, and every later turn, carry the new version, and each model token's
+    sampler log-prob is the policy's of the version that sampled it over the whole sequence (the cache recomputed),
+    as transformers computes it; the tool tokens keep their turn's version; nothing is stopped."""
+    from tests.integration.test_inflight import engine_steps
+
+    job = tool_job(tmp_path, tool_model, generation={"max_completion_length": 160},
+                   cluster={"vllm_merge_adapter": False, "max_staleness": 1})
+    w = start_rollout_worker(job, 0)[0]
+    try:
+        base, hf = HFEngine(tool_model), HFEngine(tool_model, lora=job.model.lora)
+        ad = random_adapter(hf, seed=4)
+        for k in ad:  # a small adapter: the model still writes its calls
+            ad[k] = ad[k] * 0.1
+        hf.load_adapter(1, ad)
+        tok = AutoTokenizer.from_pretrained(tool_model)
+        p = [{"role": "user", "content": "what is 31 + 4 ?"}]
+        ids = tokenize_prompt(tok, p, max_prompt_length=48, truncate=False, row=0, tools=job_tool_schemas(job, tok))
+        it = PromptItem(group_id=0, index=0, prompt_ids=ids, prompt=p, columns={"answer": 35})
+        meta_ref, group_ref = w.rollout.options(num_returns=2).remote(it)
+        deadline = time.time() + 60
+        while engine_steps(ray_session, w) < 3:
+            assert time.time() < deadline, "the first turns never ran 3 steps"
+            time.sleep(0.005)
+        assert ray_session.get(w.set_adapter.remote(1, ad)) == 1
+        g = ray_session.get(group_ref)
+        assert isinstance(g, RolloutGroup) and g.version == 0 and g.token_versions is not None
+        crossed = later = 0
+        for k in range(g.num_generations):
+            c, mask, lp, v = g.completion(k), g.completion_loss_mask(k), g.completion_logprobs(k), \
+                g.completion_versions(k)
+            assert v[0] == 0 and (np.diff(v) >= 0).all()  # the first tokens on version 0, then 1 from the load on
+            crossed += bool(v[mask].min() == 0 and v[mask].max() == 1)
+            turns = np.flatnonzero(np.diff(mask.astype(int)) == 1) + 1  # where each later model turn begins
+            later += len(turns)
+            assert all(v[t] == 1 for t in turns), "a turn after the publish samples on the new version"
+            ref = np.where(v == 1, hf.score(it.prompt_ids, c), base.score(it.prompt_ids, c))
+            assert np.abs(ref[mask] - lp[mask]).max() < 1e-4
+        assert crossed >= 1 and later >= 1, (crossed, later)
+        meta = ray_session.get(meta_ref)
+        assert meta["version"] == 1 and meta["first_version"] == 0 and meta["inflight_updated"] >= crossed
+        assert ray_session.get(w.stats.remote())["stopped_stale"] == 0
     finally:
         ray_session.get(w.shutdown.remote())
         ray_session.kill(w)

@@ -108,6 +108,7 @@ def test_k1_on_a_long_tail_stops_nothing_and_trains_every_prompt_once(ray_sessio
     cfg = loop_job(tmp_path, tiny_model, 1, batch={"max_steps": cycles}, generation={"max_completion_length": 200},
                    logging={"group_trace": True})
     ctl = started(Controller(cfg))
+    assert ctl.buffer.k == 2  # a finished group goes only past the token bound (k + 1), when all of it is masked
     steps = []
     for _ in range(cycles):
         steps += ctl.step()["steps"]
