@@ -352,10 +352,21 @@ class EngineLoop:
             for req in list(self._running.values()) + [c.request for c in batch]:
                 self._give_back(req)
                 req.fail(e)
-            self._running.clear()
+            self._forget_running()
             self._in_use.clear()
         with self._times_lock:
             self.times["busy_s"] += time.time() - t0
+
+    def _forget_running(self) -> None:
+        """After a failed step, the engine drops what it still held of the failed requests: their outputs would
+        otherwise come back in a later step under keys no request has any more, and fail every request after them."""
+        if self.engine.can_abort:
+            for key in self._running:
+                try:
+                    self.engine.abort(key)
+                except Exception:  # noqa: BLE001,S110 - an engine that broke may refuse this too; its requests failed
+                    pass
+        self._running.clear()
 
     def _finish(self, req: Request, comps) -> None:
         self._in_use[req.version] -= 1

@@ -162,6 +162,9 @@ class AdapterMerge:
 LIVE = "tandem-live"  # the LoRA slot that requests following every publish sample with
 
 
+CPU_MAX_NUM_SEQS = 256  # vLLM's max_num_seqs on a CPU (0.32)
+
+
 class VLLMEngine(Engine):
     streams = True  # the engine loop adds requests between engine steps
     can_abort = True
@@ -199,6 +202,11 @@ class VLLMEngine(Engine):
                   worker_extension_cls=f"{__name__}.TandemWorkerExtension")
         if on_cpu:
             kw["kv_cache_memory_bytes"] = kv_cache_bytes
+            # a step's token budget that holds every running sequence's whole prompt: a prompt cut across two steps
+            # restarts a seeded request's generator at an offset, which torch's CPU generator cannot do ("CPU
+            # Generator does not use offset": an evaluation of 6 prompts x 64 seeded samples broke the engine)
+            max_num_seqs = max_num_seqs or CPU_MAX_NUM_SEQS
+            kw["max_num_batched_tokens"] = min(max(4096, max_num_seqs * max_model_len), 1 << 16)
         else:
             kw["gpu_memory_utilization"] = gpu_memory_utilization
             if gpu_kv_cache_bytes is not None:
