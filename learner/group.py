@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+from tandem.core.actor_names import actor_name
 from tandem.core.compat import learner_env_vars
 from tandem.core.protocol import errors_as_text
 
@@ -64,7 +65,8 @@ class LearnerGroup:
         n = cfg.cluster.num_processes
         cls = actor_class or learner_actor_class(cfg, LearnerActor)
         self._prefix = prefix
-        self.actors = [cls.remote(cfg, rank, n, total_steps, optimizer, probe) for rank in range(n)]
+        self.actors = [cls.options(name=actor_name("learner", rank, cfg.logging.output_dir)).remote(
+            cfg, rank, n, total_steps, optimizer, probe) for rank in range(n)]
         self._placed = [self._method(a, "placement").remote() for a in self.actors]
         # rank 0 opens the group's store on its own node; Ray hands each setup the address once it exists
         address = self._method(self.actors[0], "rendezvous").remote()

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tandem.core.actor_names import actor_name
 from tandem.core.compat import rollout_env_vars
 from tandem.core.engine_memory import (
     SHARE_WITHOUT_SHAPE,
@@ -463,5 +464,5 @@ def cpu_kv_cache_bytes(cfg) -> int:
 def start_rollout_worker(cfg, slot: int):
     """A rollout worker actor with its setup started. -> (actor, ref of setup: the worker's health once
     it serves; every other call waits for it inside the actor)"""
-    w = rollout_actor_class(cfg).remote(cfg, slot)
+    w = rollout_actor_class(cfg).options(name=actor_name("rollout", slot, cfg.logging.output_dir)).remote(cfg, slot)
     return w, w.setup.remote()

@@ -294,10 +294,27 @@ def hold_run_dirs(cfg):
     for name, d in dirs:
         if why := unwritable(d, name):
             raise JobConfigError(why)
-    with contextlib.ExitStack() as held:  # a storage URI: its staging directory on this node (one job per URI on a
-        for name, d in dirs:  # cluster is the controller's name's to keep)
-            held.enter_context(hold_run_dir(str(cfg.run_dir) if d == cfg.logging.output_dir else d, name))
+    if is_uri(ck) and ck.rstrip("/") != cfg.logging.output_dir.rstrip("/"):
+        dirs.append(("checkpoint.dir", ck))
+    with contextlib.ExitStack() as held:  # a storage URI: its staging directory on this node, and the URI's lease
+        for name, d in dirs:  # (one job per URI, from whichever node: tandem/core/storage.py RunLease)
+            if is_uri(d):
+                held.enter_context(leased(d, name))
+            if not is_uri(d) or d == cfg.logging.output_dir:
+                held.enter_context(hold_run_dir(str(cfg.run_dir) if d == cfg.logging.output_dir else d, name))
         yield
+
+
+@contextlib.contextmanager
+def leased(location: str, name: str):
+    from tandem.core.storage import RunLease
+
+    lease = RunLease(location, name)
+    lease.acquire()
+    try:
+        yield lease
+    finally:
+        lease.release()
 
 
 @contextlib.contextmanager

@@ -280,3 +280,109 @@ def run_mirror(cfg) -> RunMirror | None:
     if not is_uri(cfg.logging.output_dir):
         return None
     return RunMirror(Path(cfg.run_dir), cfg.logging.output_dir, skip=("checkpoints", "adapter", "model", "checkpoint-*"))
+
+
+LEASE = ".tandem-lease.json"  # not mirrored (RunMirror skips .tandem-*)
+
+
+class RunLease:
+    """One job at a time writes to a storage URI, whichever node it runs from: a lease object at the URI's root
+    (who holds it: a run id, host, pid, since; a heartbeat every `beat_s`). `acquire` refuses while another job's
+    lease is live: on this host, while its process lives; from another host, until `ttl_s` after its last
+    heartbeat (a job that died frees the URI then). Object stores give no atomic create through pyarrow, so a lease
+    is written, then read back after `settle_s`: of two jobs starting at the same moment, the one whose write was
+    overwritten sees the other's and refuses (a write-then-verify lease; S3 reads its writes at once)."""
+
+    def __init__(self, location: str, field: str = "logging.output_dir", ttl_s: float = 60.0, beat_s: float = 15.0,
+                 settle_s: float = 2.0):
+        import socket
+        import uuid
+
+        self.store, self.location, self.field = Store(location), location, field
+        self.ttl_s, self.beat_s, self.settle_s = ttl_s, beat_s, settle_s
+        self.me = {"id": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "since": _now()}
+        self._stop = None
+
+    def holder(self) -> dict | None:
+        import json
+
+        try:
+            h = json.loads(self.store.read_bytes(LEASE))
+        except (OSError, ValueError):  # none, or a torn or foreign file: nobody holds it
+            return None
+        return h if isinstance(h, dict) and {"id", "host", "pid", "beat"} <= h.keys() else None
+
+    def live(self, h: dict) -> bool:
+        """Another job's lease that still holds."""
+        if h["id"] == self.me["id"]:
+            return False
+        if h["host"] == self.me["host"]:
+            return _pid_alive(int(h["pid"]))
+        return _now() - float(h["beat"]) < self.ttl_s
+
+    def _refuse(self, h: dict, how: str) -> None:
+        from tandem.core.config import JobConfigError
+
+        raise JobConfigError(
+            f"{self.field} = {self.location!r}: {how} (pid {h['pid']} on {h['host']}, running since "
+            f"{_clock(h.get('since'))}, its last heartbeat {_now() - float(h['beat']):.0f} s ago); allowed: another "
+            f"URI, or this one once that job has ended (a job that died frees it {self.ttl_s:.0f} s after its last "
+            "heartbeat)")
+
+    def _write(self) -> None:
+        import json
+
+        self.store.write_bytes(LEASE, json.dumps(dict(self.me, beat=_now())).encode())
+
+    def acquire(self) -> None:
+        import threading
+        import time
+
+        h = self.holder()
+        if h is not None and self.live(h):
+            self._refuse(h, "another job is writing to it")
+        self._write()
+        time.sleep(self.settle_s)
+        h = self.holder()
+        if h is None or h["id"] != self.me["id"]:
+            self._refuse(h or dict(self.me, beat=_now()), "another job took it at the same moment")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="run-lease", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.beat_s):
+            try:
+                self._write()
+            except OSError:  # the store is unreachable for a moment: the next beat tries again
+                pass
+
+    def release(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join(timeout=30)  # a beat in progress lands before the lease goes, never after
+        h = self.holder()
+        if h is not None and h["id"] == self.me["id"]:
+            self.store.delete(LEASE)
+
+
+def _now() -> float:
+    import time
+
+    return time.time()
+
+
+def _clock(t) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(t))) if t else "?"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True

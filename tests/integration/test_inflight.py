@@ -109,6 +109,10 @@ def test_k1_on_a_long_tail_stops_nothing_and_trains_every_prompt_once(ray_sessio
                    logging={"group_trace": True})
     ctl = started(Controller(cfg))
     assert ctl.buffer.k == 2  # a finished group goes only past the token bound (k + 1), when all of it is masked
+    # the dashboard names each actor by its role, index and run (tandem/core/actor_names.py)
+    names = [a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)]
+    for role in ("rollout-0#", "learner-0#"):
+        assert any(n.startswith(role) and n.endswith(" " + cfg.logging.output_dir) for n in names), (role, names)
     steps = []
     for _ in range(cycles):
         steps += ctl.step()["steps"]

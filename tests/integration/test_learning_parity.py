@@ -6,11 +6,12 @@ Both train the demo's warmed-up model (examples/sevens) for STEPS steps with the
 completions a step, lr 2e-3, LoRA r 16, dapo, beta 0); each is evaluated at step 0 and STEPS on the six eval prompts,
 64 completions each (bench/learning.py: Tandem's own evaluation with the adapter its worker serves, TRL's model
 sampled by transformers). The check (`learns_as`): the eval reward rose by at least RISE and ends within BOUND of
-TRL's. Measured here at step 20 (seed 0; bench/results/learning_cpu.md has three seeds): TRL 0.339, Tandem
-`max_staleness` 0 0.323 and 1 0.322, from 0.12-0.13; the eval's sampling alone (384 completions) moves a reading by
-about 0.01, the seeds' spread is in learning_cpu.md. BOUND 0.1 is several times both, and well inside the defects'
-effect: advantages flipped 0.018 (the reward falls), adapter unpublished 0.126 (it stays where it started).
-Inverted TIS weights do not show in learning at this scale (0.318 at max_staleness 1: sampler and learner agree to
+TRL's. BOUND from bench/results/learning_cpu.md (three seeds each, step 20): TRL 0.331 ± 0.009, Tandem
+`max_staleness` 0 0.311 ± 0.025 and 1 0.313 ± 0.025, from 0.12-0.13; the largest gap of any pair of seeds there is
+0.054, and the eval's sampling alone (384 completions) moves a reading by about 0.01. Both runs are seeded (the same
+curve on every run of the same code), so the test does not flip between runs; BOUND 0.1 leaves a correct Tandem
+about twice the measured worst gap, and is far inside the defects' effect (seed 0, step 20): advantages flipped
+0.018 (the reward falls), adapter unpublished 0.126 (it stays where it started). Inverted TIS weights do not show in learning at this scale (0.318 at max_staleness 1: sampler and learner agree to
 about 1e-6 here, so every weight is 1 either way); tests/unit/test_loss.py's reference grid catches that defect
 (259 of its cases fail with it planted)."""
 

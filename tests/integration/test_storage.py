@@ -187,3 +187,30 @@ def test_a_bucket_this_machine_cannot_write_is_refused_in_one_line(s3, tmp_path,
         assert r.returncode == 2 and len(said) == 1, r.stderr[-3000:]
         assert said[0].startswith("tandem: ") and "logging.output_dir = 's3://no-such-bucket/run': this node " \
             "cannot write there (" in said[0] and "bucket does not exist" in said[0], said
+
+
+def test_a_uri_another_nodes_job_writes_to_is_refused_naming_the_uri_and_that_job(s3, tmp_path, tiny_model):
+    """Another node's job holds s3://.../shared (its lease object, written here with boto3, heartbeat 5 s ago):
+    `tandem run` into the same URI is refused in one line naming the URI and that job, before any Ray starts
+    (the lease's other rules: tests/unit/test_run_lease.py)."""
+    import time
+
+    import yaml
+
+    from tandem.core.storage import LEASE
+
+    (tmp_path / "reward.py").write_text(STEADY_REWARD)
+    (tmp_path / "data.jsonl").write_text(json.dumps({"prompt": "1 + 1"}) + "\n")
+    job = {"model": {"path": tiny_model, "dtype": "float32", "lora": {"r": 8, "lora_alpha": 16}},
+           "data": {"path": "data.jsonl"}, "rewards": ["reward.py:r"],
+           "logging": {"output_dir": f"s3://{BUCKET}/shared", "progress": False}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    lease = {"id": "other", "host": "node-b", "pid": 4242, "since": time.time() - 60, "beat": time.time() - 5}
+    s3_client(s3).put_object(Bucket=BUCKET, Key=f"shared/{LEASE}", Body=json.dumps(lease).encode())
+    env = dict(os.environ, **s3, TANDEM_STAGING_DIR=str(tmp_path / "staging"))
+    r = subprocess.run([sys.executable, "-m", "tandem.services.app.cli", "run", "job.yaml"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    said = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(said) == 1, r.stderr[-3000:]
+    assert f"logging.output_dir = 's3://{BUCKET}/shared': another job is writing to it (pid 4242 on node-b" in said[0]
+    assert not bucket_files(s3, "shared/metrics")  # nothing of this run reached the bucket
