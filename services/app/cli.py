@@ -115,7 +115,7 @@ def cmd_submit(args) -> int:
         job = _inside(args.job, args.working_dir)
     elif args.working_dir is None:  # what the job names, nothing else
         job = _inside(args.job, ".")
-        upload = plan_job_upload(job, cfg, args.include)
+        upload = plan_job_upload(job, cfg, args.include, args.allow)
     if upload is not None:
         print("\n".join(upload.lines()))
     if args.dry_run:
@@ -135,7 +135,7 @@ def cmd_submit(args) -> int:
     print(f"submitted {job_id}: follow with `ray job logs -f {job_id}{where}`, stop with "
           f"`ray job stop {job_id}{where}`; `tandem status {args.job}` on a machine of the cluster")
     if not args.wait:
-        return 0
+        return watch_start(client, job_id)
     import asyncio
 
     async def follow():
@@ -150,6 +150,28 @@ def cmd_submit(args) -> int:
         status = client.get_job_status(job_id)
     print(f"job {job_id}: {status}")
     return 0 if str(status) == "SUCCEEDED" else 1
+
+
+def watch_start(client, job_id: str, patience_s: float = 300.0) -> int:
+    """A detached submission followed until the job has started training (its checks passed on the cluster: the
+    run directory writable there, the model and data found) or has failed: a job refused on the cluster is said here
+    with its reason, not only in its log. -> 0, or 1 where the job failed."""
+    from tandem.services.app.run import STARTED
+
+    give_up = time.time() + patience_s
+    while time.time() < give_up:
+        status = client.get_job_status(job_id)
+        logs = client.get_job_logs(job_id)
+        if started := next((ln for ln in logs.splitlines() if ln.startswith(STARTED)), None):
+            print(started)
+            return 0
+        if status.is_terminal():
+            said = [ln for ln in logs.splitlines() if ln.startswith("tandem: ")] or logs.strip().splitlines()[-1:]
+            print(f"job {job_id}: {status}" + (f": {said[-1]}" if said else ""), file=sys.stderr)
+            return 0 if str(status) == "SUCCEEDED" else 1
+        time.sleep(1)
+    print(f"job {job_id}: not started after {patience_s:.0f} s (waiting for resources?); it goes on: follow its log")
+    return 0
 
 
 def output_dir_of(path: str, overrides: list[str]) -> str:
@@ -228,7 +250,7 @@ def add_job_commands(sub) -> None:
                     help="upload this file or folder too (the default upload: only what the job names)")
     su.add_argument("--wait", action="store_true", help="print the job's log until it ends; exit 1 unless it succeeded")
     su.add_argument("--allow", action="append", default=[], metavar="PATH",
-                    help="upload this file (or folder) even though it looks like a credential (as the list names it)")
+                    help="upload this file (or folder) even though it looks like a credential (as the list or the refusal names it)")
     su.add_argument("--dry-run", action="store_true",
                     help="validate the job file, print what would be uploaded and held back, send nothing")
     su.set_defaults(fn=cmd_submit)

@@ -275,6 +275,7 @@ def sigterm_as_interrupt():
 
 
 LOCK_FILE = ".tandem.lock"
+STARTED = "tandem: started"
 
 
 @contextlib.contextmanager
@@ -384,6 +385,8 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float, datasets: dict 
                                           "starting at step 0")
         total = ray.get(ctl.__ray_call__.remote(lambda self: self.total_cycles))
         cycle0 = ray.get(ctl.__ray_call__.remote(lambda self: self.cycle))
+        # said once the job's checks passed and its actors serve (`tandem submit` waits for this line)
+        print(f"{STARTED} {cfg.logging.output_dir}: training, cycle {cycle0 + 1} of {total}", file=out, flush=True)
     except KeyboardInterrupt:  # nothing trained by this process yet: the actors go with it, the checkpoints stay
         print("\ninterrupted while starting: no step trained since the newest checkpoint; stopping", file=out)
         return 130

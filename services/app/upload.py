@@ -100,9 +100,11 @@ def _shown(rel: str) -> str:
 
 # ----------------------------------------------------------------------------------------------- the allow list
 
-def plan_job_upload(job: str, cfg, include: list[str] = ()) -> UploadPlan:
+def plan_job_upload(job: str, cfg, include: list[str] = (), allow: list[str] = ()) -> UploadPlan:
     """The files of the job `cfg` (read from `job`, relative paths against the working directory, which becomes the
-    job's on the cluster), the modules they import from there, and `include`."""
+    job's on the cluster), the modules they import from there, and `include`: each text file scanned as the
+    whole-directory mode scans (a credential by its name or content refuses the upload, naming the file, unless
+    `allow` names it: the job needs every file it names, so none is held back silently)."""
     root = Path.cwd().absolute()
     plan = UploadPlan(root)
     named: dict[str, str] = {}
@@ -142,8 +144,17 @@ def plan_job_upload(job: str, cfg, include: list[str] = ()) -> UploadPlan:
         if rel.endswith(".py"):
             for f in local_imports(root, root / rel, seen=set(named)):
                 named.setdefault(str(f.relative_to(root)), f"imported by {rel}")
+    allowed = [_relative(root, a) for a in allow]
+    credential = _name_rules()
     for rel, why in named.items():
-        plan.sent.append((rel, (root / rel).stat().st_size))
+        size = (root / rel).stat().st_size
+        if not any(rel == a or rel.startswith(a.rstrip("/") + "/") for a in allowed):
+            text = read_text(root / rel) if size <= SCAN_LIMIT else None
+            if found := credential(rel) or (secrets_in(text) if text is not None else None):
+                raise JobConfigError(f"{rel} ({why}): looks like a credential ({found}); not uploaded; allowed: keep "
+                                     "the secret in the cluster's environment (a variable the code reads), or send "
+                                     f"the file anyway with --allow {rel}")
+        plan.sent.append((rel, size))
         plan.why[rel] = why
     return plan
 

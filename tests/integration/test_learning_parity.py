@@ -1,6 +1,7 @@
 """Learning parity: Tandem learns the demo's task as TRL's GRPOTrainer does from the same start and settings, and the
 check has teeth: it fails on a defect planted in a real run (the advantages' sign flipped in the learner's process,
-the published adapter never served by the rollout worker).
+the published adapter never served by the rollout worker). Its `max_staleness: 0` run is also the demo's promise
+(examples/sevens.yaml, shortened to 20 steps): the eval reward rises from the warmed-up model's.
 
 Both train the demo's warmed-up model (examples/sevens) for STEPS steps with the demo's job (4 prompts x 8
 completions a step, lr 2e-3, LoRA r 16, dapo, beta 0); each is evaluated at step 0 and STEPS on the six eval prompts,

@@ -122,3 +122,23 @@ def test_a_wrong_token_is_named_as_such_within_seconds(ray_head, tmp_path, monke
             assert p.returncode == 2 and len(err.splitlines()) == 1, (cmd, err[-2000:])
             assert err.startswith(f"tandem: the Ray cluster at {ray_head['gcs']} {said} (InvalidAuthToken"), (cmd, err)
             assert time.time() - t0 < 15, (cmd, time.time() - t0)
+
+
+def test_a_detached_submission_says_the_clusters_refusal_and_fails(ray_head, tmp_path, tiny_model, capsys,
+                                                                   monkeypatch):
+    """Without --wait, `tandem submit` follows the job until it trains or fails: a run directory the cluster cannot
+    write (checked there, not here) is said with the job's own reason, rc 1, within seconds of the refusal."""
+    from tandem.services.app.cli import main
+
+    monkeypatch.setenv("RAY_AUTH_TOKEN", ray_head["token"])
+    (tmp_path / "data.jsonl").write_text(json.dumps({"prompt": "1 + 1"}) + "\n")
+    job = {"model": {"path": tiny_model, "dtype": "float32", "lora": {"r": 8, "lora_alpha": 16}},
+           "data": {"path": str(tmp_path / "data.jsonl")}, "rewards": [f"{ROOT}/examples/rewards.py:digits_reward"],
+           "logging": {"output_dir": "/proc/tandem-no-such-run", "progress": False}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    rc = main(["submit", str(tmp_path / "job.yaml"), "--working-dir", "", "--address", ray_head["url"]])
+    captured = capsys.readouterr()
+    assert rc == 1, captured.out[-2000:] + captured.err[-2000:]
+    said = captured.err.strip().splitlines()[-1]
+    assert said.startswith("job tandem-") and ": FAILED: tandem: logging.output_dir = '/proc/tandem-no-such-run'" \
+        in said, said

@@ -597,3 +597,25 @@ def test_semaphores_a_killed_run_left_are_released_by_the_next_start(tmp_path):
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_a_module_the_job_imports_holding_a_credential_refuses_the_upload_naming_it(tmp_path, monkeypatch, capsys):
+    """The default upload scans what it sends: a module the reward file imports holding an AWS key pair refuses the
+    submission in one line naming the module and why it is sent; --allow sends it anyway."""
+    from tandem.services.app.cli import main
+
+    write_tree(tmp_path, {"data.jsonl": '{"prompt": "1 + 1"}\n',
+                          "rewards.py": "from mycfg import KEY\n\ndef r(completions, **kw):\n    return [0.0]\n",
+                          "mycfg.py": 'KEY = "AKIAIOSFODNN7EXAMPLE"\nSECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"\n'})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({
+        "model": {"path": "Qwen/Qwen2.5-0.5B-Instruct"}, "data": {"path": "data.jsonl"}, "rewards": ["rewards.py:r"],
+        "logging": {"output_dir": "/srv/runs/a"}}))
+    monkeypatch.chdir(tmp_path)
+    rc = main(["submit", "job.yaml", "--dry-run", "--address", "http://127.0.0.1:9"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("tandem: mycfg.py (imported by rewards.py): looks like a credential (") and \
+        "--allow mycfg.py" in err[0], err
+    rc = main(["submit", "job.yaml", "--dry-run", "--allow", "mycfg.py", "--address", "http://127.0.0.1:9"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "  + mycfg.py (imported by rewards.py)" in out, out
