@@ -508,17 +508,26 @@ def check_resume_target(given: bool | str, cfg: JobConfig) -> None:
     if given is True:
         return
     path = str(given).rstrip("/") if is_uri(str(given)) else str(Path(given).resolve())
-    newest = (complete_checkpoints(cfg.checkpoint_dir) or [None])[-1]
+    complete = complete_checkpoints(cfg.checkpoint_dir)
+    newest = (complete or [None])[-1]
+    trl = [(p, tandem_checkpoint(str(p), cfg.checkpoint_dir)) for _, p in trl_checkpoints(cfg.logging.output_dir)]
+    named = lambda c: next((str(p) for p, t in trl if t is not None and t.name == c.name), str(c))  # noqa: E731
+    if not Store(path).exists():
+        raise JobConfigError(f"train(resume_from_checkpoint={given!r}): no such checkpoint; the run's newest is "
+                             f"{named(newest) if newest else 'none (nothing saved yet)'}; allowed: True, or the newest")
     target = tandem_checkpoint(path, cfg.checkpoint_dir) if Store(path).is_file("trainer_state.json") else Location(path)
     runs = [str(Location(x) if is_uri(str(x)) else Path(x).resolve()) for x in (cfg.logging.output_dir,
                                                                                cfg.checkpoint_dir)]
     if target is None or not any(path == r or path.startswith(r.rstrip("/") + "/") for r in runs):
         raise JobConfigError(f"train(resume_from_checkpoint={given!r}): not a checkpoint of this run; allowed: True, "
                              f"or {cfg.logging.output_dir}/checkpoint-N")
-    if newest is not None and Location(target).name != newest.name:
-        trl = [str(p) for _, p in trl_checkpoints(cfg.logging.output_dir)]
+    if not any(Location(target).name == c.name for c in complete):
+        raise JobConfigError(f"train(resume_from_checkpoint={given!r}): an incomplete or damaged checkpoint (its "
+                             f"{Location(target).name} has no tandem.json); the run's newest complete one is "
+                             f"{named(newest) if newest else 'none'}; allowed: True, or that one")
+    if Location(target).name != newest.name:
         raise JobConfigError(f"train(resume_from_checkpoint={given!r}): not the run's newest checkpoint "
-                             f"({trl[-1] if trl else newest}); resuming from it would train over the steps after it; "
+                             f"({named(newest)}); resuming from it would train over the steps after it; "
                              "allowed: True, or the newest")
 
 
