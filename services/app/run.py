@@ -400,7 +400,7 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float, datasets: dict 
         done = cycle0 >= total
         while not done:
             try:
-                r = ray.get(ctl.step.remote())  # saves when checkpoint.save_steps says so
+                r = step_saying_why(ray, ctl, bar, out)  # saves when checkpoint.save_steps says so
             # the controller or the learner died; or the owner of an object in flight did: the learner's published
             # adapter, which a replacement rollout worker loads (vllm_mode colocate: worker 0 dies with the learner)
             except (ray.exceptions.RayActorError, ray.exceptions.OwnerDiedError) as e:
@@ -435,6 +435,34 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float, datasets: dict 
     stop_controller(ray, ctl)
     print_summary(cfg, out, path, artifact, t_start)
     return 0
+
+
+QUIET_S = 30.0  # a step this long without a line says, every QUIET_S, what the run waits on
+
+
+def step_saying_why(ray, ctl, bar, out) -> dict:
+    """One controller step; while it runs past QUIET_S, a line every QUIET_S of what it waits on (a slow reward
+    function, hung tools, an engine still starting: the prompts out and what has failed so far), never minutes of
+    silence."""
+    ref = ctl.step.remote()
+    t0 = time.time()
+    while not ray.wait([ref], timeout=QUIET_S)[0]:
+        try:
+            st = ray.get(ctl.status.remote(), timeout=10)  # a threaded actor: answered while the step runs
+        except Exception:  # noqa: BLE001 - the controller busy or gone: the step's own result says which
+            continue
+        bar.write(quiet_line(st, time.time() - t0), file=out)
+    return ray.get(ref)
+
+
+def quiet_line(st: dict, waited: float) -> str:
+    c = st["counters"]
+    failed = c.get("reward_failures", 0) + c.get("groups_no_reward", 0)
+    n = min(st["cycle"] + 1, st["total_cycles"])  # the counter moves before the step's record is written
+    return (f"tandem: cycle {n} of {st['total_cycles']}: {waited:.0f} s without a step; "
+            f"{st['in_flight']} prompt(s) out (sampling, running tools or being scored), {st['buffered']} group(s) "
+            f"back, {st['workers']} rollout worker(s)" + (f"; {failed} prompt(s) failed so far (failed_prompts.jsonl)"
+                                                         if failed else ""))
 
 
 def print_summary(cfg, out, path: str | None, artifact, t_start: float) -> None:

@@ -214,10 +214,15 @@ def test_the_runs_last_batch_takes_what_comes_back_first_and_leaves_the_rest_to_
     b.shutdown()
 
 
-def test_tandem_scale_and_status_reach_the_running_job(ray_session, tmp_path, tiny_model, capsys):
-    """The CLI finds a running job's Controller by its run directory (a named actor) on the cluster."""
-    import yaml
+def test_tandem_scale_and_status_reach_the_running_job(ray_session, tmp_path, tiny_model, capsys, monkeypatch):
+    """The CLI finds a running job's Controller by its run directory (a named actor) on the cluster; a step that
+    outlasts QUIET_S (here 50 ms) is said while it runs, with what the run waits on."""
+    import io
 
+    import yaml
+    from tqdm import tqdm
+
+    import tandem.services.app.run as run
     from tandem.core.config import JobConfigError
     from tandem.services.app.cli import main
     from tandem.services.app.run import start_controller
@@ -231,7 +236,13 @@ def test_tandem_scale_and_status_reach_the_running_job(ray_session, tmp_path, ti
     first = ctl.step.remote()
     assert main(["scale", str(job), "2"]) == 0
     assert "2 from the next generate call" in capsys.readouterr().out
-    ray_session.get([first, ctl.step.remote()])
+    ray_session.get(first)
+    monkeypatch.setattr(run, "QUIET_S", 0.05)
+    said = io.StringIO()
+    run.step_saying_why(ray_session, ctl, tqdm(disable=True), said)
+    lines = said.getvalue().splitlines()
+    assert lines and all(ln.startswith("tandem: cycle 2 of 2: ") and " s without a step; " in ln and
+                         " prompt(s) out (sampling, running tools or being scored), " in ln for ln in lines), lines
     # the controller actor tokenised without importing torch (~350 MB and seconds less per job)
     assert ray_session.get(ctl.__ray_call__.remote(lambda self: [m in sys.modules for m in ("torch", "transformers")])) \
         == [False, True]
