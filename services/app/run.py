@@ -120,7 +120,7 @@ def start_controller(ray, cfg, resource_wait_s: float = 0.0, out=None, datasets:
     ctl = ray.remote(num_cpus=0, max_concurrency=2)(Controller).options(
         name=name, namespace=NAMESPACE, scheduling_strategy=here).remote(cfg, datasets)
     try:  # waited for: a threaded actor does not keep its calls in order
-        wait_reporting(ray, cfg, ctl.setup.remote(resource_wait_s, own_process=True), resource_wait_s, out)
+        wait_reporting(ray, cfg, ctl.setup.remote(resource_wait_s, own_process=True), resource_wait_s, out, ctl)
     except Exception:
         stop_controller(ray, ctl)  # what its setup started (engines, reward processes) goes first
         raise
@@ -141,17 +141,31 @@ def stop_controller(ray, ctl) -> None:
 WAIT_REPORT_S = 10.0
 
 
-def wait_reporting(ray, cfg, ref, wait_s: float, out) -> None:
+def wait_reporting(ray, cfg, ref, wait_s: float, out, ctl=None) -> None:
     """ray.get(ref) of the controller's setup; every WAIT_REPORT_S while a role's request fits no node (the
-    setup waits up to wait_s for an autoscaler to add one), one line saying what it waits for."""
+    setup waits up to wait_s for an autoscaler to add one), one line saying what it waits for, and the lines the
+    controller said meanwhile (how far it has tokenised a large dataset)."""
     from tandem.core.checks import resource_errors
 
     t0 = time.time()
     while not ray.wait([ref], timeout=WAIT_REPORT_S)[0]:
+        if ctl is not None:
+            try:  # a threaded actor: answered while its setup runs
+                for line in ray.get(ctl.__ray_call__.remote(taken_notices), timeout=10):
+                    print(line, file=out, flush=True)
+            except Exception:  # noqa: BLE001,S110 - busy or gone: the setup's own result says which
+                pass
         if errors := resource_errors(cfg, ray.nodes()):
             print(f"tandem: waiting for a node ({time.time() - t0:.0f} s of {wait_s:.0f}): " + "; ".join(errors),
                   file=out, flush=True)
     ray.get(ref)
+
+
+def taken_notices(_controller) -> list[str]:
+    """In the controller's process: the lines it said since they were last taken."""
+    from tandem.services.orchestrator.controller import notices
+
+    return notices()
 
 
 def name_is_free(ray, name: str, patience_s: float = 60.0) -> bool:

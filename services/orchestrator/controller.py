@@ -238,7 +238,7 @@ class Controller:
 
         schemas = job_tool_schemas(cfg, tok)
         rows, where = job_rows(cfg, self.datasets, "data")
-        data = prompt_table(rows, cfg, tok, schemas, where)
+        data = prompt_table(rows, cfg, tok, schemas, where, say)
         self.source = PromptSource(len(data), cfg.seed, cfg.data.shuffle, table=data)
         if cfg.eval.path is not None or "eval" in self.datasets:
             eval_rows, eval_where = job_rows(cfg, self.datasets, "eval")

@@ -37,20 +37,31 @@ def shaped(rows: list[dict], data, tokenizer, where: str) -> list[dict]:
     return rows
 
 
-def prompt_table(rows: list[dict], cfg, tokenizer, schemas: list[dict] | None, where: str):
+SAY_EVERY_S = 10.0  # tokenising a large dataset says how far it is this often
+
+
+def prompt_table(rows: list[dict], cfg, tokenizer, schemas: list[dict] | None, where: str, say=None):
     """The rows as training reads them: shaped, checked and each prompt tokenised once (the chat template, the
     system prompt, the tools' schemas, max_prompt_length), by the controller at start and by `tandem check` before
-    it. A prompt that cannot be is a DataError naming `where` (the file, or the rows given from Python) and the row."""
+    it. A prompt that cannot be is a DataError naming `where` (the file, or the rows given from Python) and the row.
+    say: told every SAY_EVERY_S how many rows are tokenised (a large file is minutes of work, never of silence)."""
+    import time
+
     from tandem.rollout.prompts import PromptError, tokenize_prompt
     from tandem.services.orchestrator.prompt_source import PromptTable
 
     pc, g = cfg.data.prompt_column, cfg.generation
     rows = shaped(rows, cfg.data, tokenizer, where)
     check_rows(rows, pc, where)
+    ids, t0, told = [], time.time(), time.time()
     try:
-        ids = [tokenize_prompt(tokenizer, r[pc], max_prompt_length=g.max_prompt_length,
-                               truncate=cfg.data.truncate_long_prompts, row=i, tools=schemas)
-               for i, r in enumerate(rows)]
+        for i, r in enumerate(rows):
+            ids.append(tokenize_prompt(tokenizer, r[pc], max_prompt_length=g.max_prompt_length,
+                                       truncate=cfg.data.truncate_long_prompts, row=i, tools=schemas))
+            if say is not None and time.time() - told >= SAY_EVERY_S:
+                told = time.time()
+                say(f"tandem: tokenising the prompts of {where}: {i + 1:,} of {len(rows):,} rows in "
+                    f"{told - t0:.0f} s")
     except PromptError as e:
         raise DataError(f"{where}: {e}") from None
     return PromptTable(rows, ids, pc)
