@@ -38,7 +38,7 @@ from tandem.core.engine_memory import oversample_prompts, token_lag_bound
 from tandem.core.errors import RewardContractError
 from tandem.core.plan import BatchPlan
 from tandem.core.protocol import errors_as_text
-from tandem.core.storage import RunMirror, Store, run_mirror
+from tandem.core.storage import Store, run_mirror
 from tandem.rollout.episodes import episode_metrics
 from tandem.services.orchestrator.autoscale import (
     CycleLoad,
@@ -125,7 +125,8 @@ class Progress:
     """Where the run is: generation cycles done and the policy version served (saved), its length (from the
     job and the data), the last publish's latency, and the batch training ahead of the cycle count, if any."""
 
-    TRANSIENT: ClassVar = ("total_cycles", "total_steps", "publish_latency_s", "training", "all_taken", "last_take")
+    TRANSIENT: ClassVar = ("total_cycles", "total_steps", "publish_latency_s", "training", "all_taken", "last_take",
+                           "interrupted")
     cycle: int = 0
     version: int = 0
     total_cycles: int = 0
@@ -134,6 +135,7 @@ class Progress:
     training: Training | None = None  # the next cycle's batch, training ahead of it (never saved: a save drains it)
     all_taken: bool = False  # the run's last batch is taken: what is still sampling is left for a resume
     last_take: float | None = None  # when the last batch whose metrics were written was taken (run_log.sampling_times)
+    interrupted: threading.Event = field(default_factory=threading.Event)  # the driver asked the run to stop
 
     def state(self) -> dict:
         return {"cycle": self.cycle, "version": self.version}
@@ -179,9 +181,7 @@ class Controller:
         self.learner = self.evaluator = None
         self.checkpoints = Checkpointer(cfg)
         self.log = RunLog(self.out / "metrics.jsonl", cfg.logging.group_trace)
-        self.mirror: RunMirror | None = None  # the run files' copy at a storage URI
-        # the driving thread and the answering one
-        self._drive, self._interrupted = threading.Lock(), threading.Event()
+        self._drive = threading.Lock()  # one driving call at a time (a second thread answers status and scale)
 
     # what tests, the driver and a reader ask for by name
     out = property(lambda self: Path(self.cfg.run_dir))  # this node's: output_dir, or its staging directory
@@ -203,9 +203,9 @@ class Controller:
         check_inputs(cfg, given=set(self.datasets))  # as this node sees them; each worker imports the rewards again
         if cfg.logging.overwrite_output_dir and not cfg.checkpoint.resume:
             clear_run_dir(cfg)
-        self.mirror = run_mirror(cfg)
-        if self.mirror:
-            self.mirror.pull()  # a resumed run's record, to cut back and append to
+        self.log.mirror = run_mirror(cfg)
+        if self.log.mirror:
+            self.log.mirror.pull()  # a resumed run's record, to cut back and append to
         self.out.mkdir(parents=True, exist_ok=True)
         rows, content = self._read_data(own_process)
         bound = token_lag_bound(cfg)  # in flight, a group goes only when the loss would mask all of it
@@ -292,7 +292,7 @@ class Controller:
             self.progress.version, adapter_ref = result["adapter"]
             saving = self.checkpoints.due([s["step"] for s in result["steps"]])
             ahead = ahead and trained_ahead_allowed(self.cfg.cluster.max_staleness, self._batches_left(), saving,
-                                                    self._interrupted.is_set())
+                                                    self.progress.interrupted.is_set())
             if ahead:
                 self.progress.training = self._train_ahead()  # before the send: the learner waits for nothing
             sent = self._send(adapter_ref)
@@ -352,7 +352,7 @@ class Controller:
         handed out again, the batch filled at the oversampling bound. -> the batch, dynamic sampling's counts."""
         U, filled = self.plan.unique_prompts, 0
         while True:
-            if self._interrupted.is_set():  # before training: nothing of this cycle is trained or lost
+            if self.progress.interrupted.is_set():  # before training: nothing of this cycle is trained or lost
                 raise CycleInterrupted(f"cycle {self.cycle} interrupted while gathering groups")
             self._requeue_stale()
             if len(self.buffer) >= U:
@@ -597,7 +597,7 @@ class Controller:
     def interrupt(self) -> None:
         """Ctrl-C / SIGTERM: the cycle in progress stops gathering (a cycle already training finishes its
         training first), so that a checkpoint is written within seconds, not after a slow generation."""
-        self._interrupted.set()
+        self.progress.interrupted.set()
 
     def scale(self, n: int) -> dict:
         """Set the number of rollout workers of a live job (`tandem scale`); applied at the next feed."""
@@ -649,8 +649,8 @@ class Controller:
 
     def _push(self) -> None:
         """The run files written since the last push to the storage URI (none for a local output_dir)."""
-        if self.mirror:
-            self.mirror.push()
+        if self.log.mirror:
+            self.log.mirror.push()
 
     @one_at_a_time
     def resume(self) -> str | None:

@@ -101,6 +101,7 @@ class RunLog:
     def __init__(self, path: Path, group_trace: bool = False):
         self.path = path
         self.trackers = None
+        self.mirror = None  # the run files' copy at a storage URI (tandem.core.storage.RunMirror), set at setup
         # logging.group_trace: what became of each group, a line each, written with the step's metrics
         self.group_trace = path.with_name("group_trace.jsonl") if group_trace else None
         self._groups: list[dict] = []
