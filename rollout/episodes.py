@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -199,9 +200,9 @@ class EpisodeRunner:
             raise error
         first = [(c, reqs[0].version) for c in reqs[0].result] if len(reqs) == 1 else [
             (r.result[0], r.version) for r in reqs]
-        run = self.episode if live else self._released
-        eps = await asyncio.gather(*(run(c, prompts[i % len(prompts)], v, sampling, tools[i] if tools else self.tools,
-                                         live) for i, (c, v) in enumerate(first)))
+        run = functools.partial(self.episode, live=True) if live else self._released
+        eps = await asyncio.gather(*(run(c, prompts[i % len(prompts)], v, sampling, tools[i] if tools else self.tools)
+                                     for i, (c, v) in enumerate(first)))
         return list(eps), reqs[0].version, reqs[0].submitted
 
     async def run(self, first: list[Completion], prompt_ids: np.ndarray, version: int, sampling: Sampling
@@ -212,7 +213,7 @@ class EpisodeRunner:
                                            for c in first)))
 
     async def _released(self, first: Completion, prompt_ids: np.ndarray, version: int, sampling: Sampling,
-                        tools: dict, live: bool = False) -> Episode:
+                        tools: dict) -> Episode:
         try:
             return await self.episode(first, prompt_ids, version, sampling, tools)
         finally:
