@@ -45,18 +45,7 @@ def pytest_collection_modifyitems(config, items):
 
     for it in filter(uses_head, items):
         it.add_marker(pytest.mark.alone)
-    # the longest files first: `--dist loadfile` hands files out in this order, so the two workers end together
-    # rather than one waiting while the other runs a long file it took last
-    def late(it) -> int:
-        name = it.path.name
-        return LONG_FIRST.index(name) - len(LONG_FIRST) if name in LONG_FIRST else 0
-
-    items.sort(key=lambda it: (it.get_closest_marker("integration") is not None, uses_head(it), late(it)))
-
-
-# by their time in make test on this 2-core machine (its --durations), the longest first
-LONG_FIRST = ("test_storage.py", "test_learning_parity.py", "test_loop.py", "test_nodes.py", "test_front_door.py",
-              "test_episodes.py", "test_inflight.py")
+    items.sort(key=lambda it: (it.get_closest_marker("integration") is not None, uses_head(it)))
 
 
 @pytest.fixture(scope="session")
