@@ -165,6 +165,16 @@ LIVE = "tandem-live"  # the LoRA slot that requests following every publish samp
 CPU_MAX_NUM_SEQS = 256  # vLLM's max_num_seqs on a CPU (0.32)
 
 
+def cpu_engine_args(kv_cache_bytes: int | None, max_num_seqs: int | None, max_model_len: int) -> dict:
+    """vLLM's arguments on a CPU: the KV cache in bytes, and a step's token budget that holds every running
+    sequence's whole prompt: a prompt cut across two steps restarts a seeded request's generator at an offset, which
+    torch's CPU generator cannot do ("CPU Generator does not use offset": an evaluation of 6 prompts x 64 seeded
+    samples broke the engine)."""
+    seqs = max_num_seqs or CPU_MAX_NUM_SEQS
+    return {"kv_cache_memory_bytes": kv_cache_bytes, "max_num_seqs": seqs,
+            "max_num_batched_tokens": min(max(4096, seqs * max_model_len), 1 << 16)}
+
+
 class VLLMEngine(Engine):
     streams = True  # the engine loop adds requests between engine steps
     can_abort = True
@@ -201,18 +211,13 @@ class VLLMEngine(Engine):
                   logprobs_mode="processed_logprobs", distributed_executor_backend="uni",
                   worker_extension_cls=f"{__name__}.TandemWorkerExtension")
         if on_cpu:
-            kw["kv_cache_memory_bytes"] = kv_cache_bytes
-            # a step's token budget that holds every running sequence's whole prompt: a prompt cut across two steps
-            # restarts a seeded request's generator at an offset, which torch's CPU generator cannot do ("CPU
-            # Generator does not use offset": an evaluation of 6 prompts x 64 seeded samples broke the engine)
-            max_num_seqs = max_num_seqs or CPU_MAX_NUM_SEQS
-            kw["max_num_batched_tokens"] = min(max(4096, max_num_seqs * max_model_len), 1 << 16)
+            kw.update(cpu_engine_args(kv_cache_bytes, max_num_seqs, max_model_len))
         else:
             kw["gpu_memory_utilization"] = gpu_memory_utilization
             if gpu_kv_cache_bytes is not None:
                 kw["kv_cache_memory_bytes"] = gpu_kv_cache_bytes
-        if max_num_seqs is not None:
-            kw["max_num_seqs"] = max_num_seqs
+            if max_num_seqs is not None:
+                kw["max_num_seqs"] = max_num_seqs
         if lora is not None and not self.serves_one_version:
             kw.update(enable_lora=True, max_lora_rank=max(8, lora.r), max_loras=max_loras + self.updates_in_flight)
         self.llm = LLM(**kw)

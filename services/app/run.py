@@ -289,7 +289,7 @@ def sigterm_as_interrupt():
 
 
 LOCK_FILE = ".tandem.lock"
-STARTED = "tandem: started"
+STARTED = "tandem: started"  # said once a job's checks passed and its actors serve (`tandem submit` waits for it)
 
 
 @contextlib.contextmanager
@@ -397,9 +397,7 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float, datasets: dict 
         if cfg.checkpoint.resume:
             resume_job(ray, ctl, out, none=f"checkpoint.resume: no checkpoint to resume from in {cfg.checkpoint_dir}; "
                                           "starting at step 0")
-        total = ray.get(ctl.__ray_call__.remote(lambda self: self.total_cycles))
-        cycle0 = ray.get(ctl.__ray_call__.remote(lambda self: self.cycle))
-        # said once the job's checks passed and its actors serve (`tandem submit` waits for this line)
+        total, cycle0 = ray.get(ctl.__ray_call__.remote(lambda self: (self.total_cycles, self.cycle)))
         print(f"{STARTED} {cfg.logging.output_dir}: training, cycle {cycle0 + 1} of {total}", file=out, flush=True)
     except KeyboardInterrupt:  # nothing trained by this process yet: the actors go with it, the checkpoints stay
         print("\ninterrupted while starting: no step trained since the newest checkpoint; stopping", file=out)
