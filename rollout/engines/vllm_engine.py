@@ -14,6 +14,7 @@ import numpy as np
 
 from tandem.core.adapter import peft_config
 from tandem.core.compat import before_vllm_import
+from tandem.core.storage import pid_alive
 from tandem.rollout.engines.base import Completion, Engine, Sampling
 
 
@@ -409,16 +410,8 @@ def adapter_scratch_dir() -> str:
     parent = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     for old in glob.glob(os.path.join(parent, "tandem-adapters-*-*")):
         pid = os.path.basename(old).split("-")[2]
-        if pid.isdigit() and not alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"tandem-adapters-{os.getpid()}-", dir=parent)
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's: alive
-        pass
-    return True

@@ -13,6 +13,7 @@ import fnmatch
 import hashlib
 import os
 import shutil
+import time
 from pathlib import Path
 
 from tandem.core.errors import TandemError
@@ -300,7 +301,7 @@ class RunLease:
 
         self.store, self.location, self.field = Store(location), location, field
         self.ttl_s, self.beat_s, self.settle_s = ttl_s, beat_s, settle_s
-        self.me = {"id": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "since": _now()}
+        self.me = {"id": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
         self._stop = None
 
     def holder(self) -> dict | None:
@@ -317,26 +318,25 @@ class RunLease:
         if h["id"] == self.me["id"]:
             return False
         if h["host"] == self.me["host"]:
-            return _pid_alive(int(h["pid"]))
-        return _now() - float(h["beat"]) < self.ttl_s
+            return pid_alive(int(h["pid"]))
+        return time.time() - float(h["beat"]) < self.ttl_s
 
     def _refuse(self, h: dict, how: str) -> None:
         from tandem.core.config import JobConfigError
 
         raise JobConfigError(
             f"{self.field} = {self.location!r}: {how} (pid {h['pid']} on {h['host']}, running since "
-            f"{_clock(h.get('since'))}, its last heartbeat {_now() - float(h['beat']):.0f} s ago); allowed: another "
+            f"{_clock(h.get('since'))}, its last heartbeat {time.time() - float(h['beat']):.0f} s ago); allowed: another "
             f"URI, or this one once that job has ended (a job that died frees it {self.ttl_s:.0f} s after its last "
             "heartbeat)")
 
     def _write(self) -> None:
         import json
 
-        self.store.write_bytes(LEASE, json.dumps(dict(self.me, beat=_now())).encode())
+        self.store.write_bytes(LEASE, json.dumps(dict(self.me, beat=time.time())).encode())
 
     def acquire(self) -> None:
         import threading
-        import time
 
         h = self.holder()
         if h is not None and self.live(h):
@@ -345,7 +345,7 @@ class RunLease:
         time.sleep(self.settle_s)
         h = self.holder()
         if h is None or h["id"] != self.me["id"]:
-            self._refuse(h or dict(self.me, beat=_now()), "another job took it at the same moment")
+            self._refuse(h or dict(self.me, beat=time.time()), "another job took it at the same moment")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="run-lease", daemon=True)
         self._thread.start()
@@ -366,19 +366,12 @@ class RunLease:
             self.store.delete(LEASE)
 
 
-def _now() -> float:
-    import time
-
-    return time.time()
-
-
 def _clock(t) -> str:
-    import time
-
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(t))) if t else "?"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """A process of this host with this pid exists (another user's too)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
