@@ -41,4 +41,4 @@ clean:
 demo: install
 	$(BIN)/python examples/sevens/prepare.py runs/sevens
 	rm -rf runs/sevens/metrics.jsonl runs/sevens/checkpoints runs/sevens/checkpoint-* runs/sevens/eval
-	$(BIN)/python -m tandem.services.devtools.demo examples/sevens.yaml
+	$(BIN)/python -m tandem.services.app.demo examples/sevens.yaml

@@ -33,9 +33,9 @@ import torch
 import triton
 from torch.utils.checkpoint import checkpoint
 
-from tandem.kernels.logprobs import grpo_token_terms, selective_logprobs_reference
+from tandem.kernels.logprobs import selective_logprobs_reference
 from tandem.kernels.triton_logprobs import linear_grpo_loss_triton, linear_logprobs_loss_triton, linear_logprobs_triton
-from tandem.learner.grpo import aggregate_loss, per_token_loss, token_weights
+from tandem.learner.grpo import aggregate_loss, grpo_token_terms, per_token_loss, token_weights
 
 TEMP, T, EPS = 0.7, 1024, 0.2
 SHAPES = {"1.5B": (1536, 151936), "7B": (3584, 152064)}

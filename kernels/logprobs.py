@@ -9,8 +9,8 @@
 sum of per-token terms (GRPO's are): each chunk's gradients are formed in forward, so logits are
 computed once instead of twice.
 
-`linear_grpo_loss(hidden, weight, ids, old_logp, advantages, token_weight, ...)`: the GRPO loss
-(docs/grpo.md §4) as that fused form: the learner's training op.
+The GRPO loss is not written here: learner/grpo.py's grpo_token_terms is the `token_loss` the learner hands to
+`linear_logprobs_loss` (learner/logprobs.py), and triton_logprobs.py's linear_grpo_loss_triton its one fused form.
 
 One name per op (Liger-Kernel's rule): `<op>` dispatches (Triton on CUDA, else the reference),
 `<op>_reference` is plain PyTorch here, `<op>_triton` is the kernel in `triton_logprobs.py`; the
@@ -68,8 +68,8 @@ def linear_logprobs_loss_reference(hidden, weight, ids, token_loss, temperature:
     return token_loss(logp, 0, hidden.shape[0]).sum(), logp.detach(), ent
 
 
-# Plain numbers, no config: the kernels know nothing of the job. These are the spec's defaults, which the job
-# schema (tandem.core.config.GRPOConfig) holds and the learner passes; tests/unit/test_loss.py keeps them equal.
+# Plain numbers, no config: the kernels know nothing of the job. These are the spec's defaults (the Triton loss's
+# keyword defaults), which the job schema holds and the learner passes; tests/unit/test_loss.py keeps them equal.
 EPSILON, EPSILON_HIGH, DELTA, BETA = 0.2, None, None, 0.0
 
 
@@ -112,53 +112,6 @@ class TisFromLogp:
         return truncated_is(d, *self.log_bounds(), self.masks).to(logp.dtype)
 
 
-def grpo_token_terms(old_logp, advantages, token_weight, *, epsilon=EPSILON, epsilon_high=EPSILON_HIGH,
-                     delta=DELTA, beta=BETA, ref_logp=None, tis=None, tis_from: TisFromLogp | None = None):
-    """linear_grpo_loss's per-token terms, for linear_logprobs_loss: token_loss(logp[s:e], s, e) ->
-    token_weight * (-min(r·A, clip(r)·A) · tis + beta · k3) on tokens s..e, r = exp(logp - old), the
-    unclipped ratio capped at delta. Flat [N] inputs (tensors or scalars); old_logp None = on-policy
-    (old = logp detached); tis: the truncated-IS weight or None, or tis_from (on-policy) to take it from logp;
-    ref_logp when beta > 0. Written out
-    here, independently of learner.grpo.per_token_loss ([B, T] form), which the tests compare it with."""
-    hi = epsilon if epsilon_high is None else epsilon_high
-    if tis_from is not None and (old_logp is not None or tis is not None):
-        raise ValueError("tandem.kernels.grpo_token_terms: tis_from is the on-policy weight (old_logp None, no tis)")
-
-    def col(x, s, e, like):
-        return torch.as_tensor(x, dtype=like.dtype, device=like.device).expand(e - s) if not torch.is_tensor(x) \
-            or x.dim() == 0 else x[s:e].to(like.dtype)
-
-    def token_loss(logp, s, e):
-        w = col(token_weight, s, e, logp)
-        m = w != 0
-        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-        old = logp.detach() if old_logp is None else col(old_logp, s, e, logp)
-        a = col(advantages, s, e, logp)
-        d = torch.where(m, logp - old, zero).clamp(-20.0, 20.0)  # docs/grpo.md §4.4 clamp
-        r = torch.exp(d)
-        unclipped = r if delta is None else r.clamp(max=delta)
-        loss = -torch.minimum(unclipped * a, r.clamp(1 - epsilon, 1 + hi) * a)
-        if tis is not None:
-            loss = loss * col(tis, s, e, logp)
-        elif tis_from is not None:  # masked tokens' sampler log-probs may be garbage: weight 1 there, then 0 below
-            loss = loss * torch.where(m, tis_from.weight(logp, s, e), torch.ones_like(logp))
-        if beta > 0:
-            k = torch.where(m, col(ref_logp, s, e, logp) - logp, zero).clamp(-20.0, 20.0)
-            loss = loss + beta * (torch.exp(k) - k - 1)
-        return torch.where(m, loss * w, zero)
-
-    return token_loss
-
-
-def linear_grpo_loss_reference(hidden, weight, ids, old_logp, advantages, token_weight, *, temperature=1.0,
-                               chunk=1024, with_entropy=False, **grpo):
-    """-> (loss, logp [N] detached, entropy or None); `grpo`: grpo_token_terms' keywords."""
-    if grpo.get("beta", 0) > 0 and grpo.get("ref_logp") is None:
-        raise ValueError("tandem.kernels.linear_grpo_loss: beta > 0 needs ref_logp")
-    terms = grpo_token_terms(old_logp, advantages, token_weight, **grpo)
-    return linear_logprobs_loss_reference(hidden, weight, ids, terms, temperature, chunk or 1024, with_entropy)
-
-
 def _triton_ready() -> bool:
     import importlib.util
 
@@ -193,14 +146,3 @@ def linear_logprobs_loss(hidden, weight, ids, token_loss, temperature=1.0, chunk
 
         return linear_logprobs_loss_triton(hidden, weight, ids, token_loss, temperature, chunk, with_entropy)
     return linear_logprobs_loss_reference(hidden, weight, ids, token_loss, temperature, chunk, with_entropy)
-
-
-def linear_grpo_loss(hidden, weight, ids, old_logp, advantages, token_weight, *, temperature=1.0, chunk=None,
-                     with_entropy=False, **grpo):
-    if triton_available(hidden):
-        from tandem.kernels.triton_logprobs import linear_grpo_loss_triton
-
-        return linear_grpo_loss_triton(hidden, weight, ids, old_logp, advantages, token_weight,
-                                       temperature=temperature, chunk=chunk, with_entropy=with_entropy, **grpo)
-    return linear_grpo_loss_reference(hidden, weight, ids, old_logp, advantages, token_weight,
-                                      temperature=temperature, chunk=chunk, with_entropy=with_entropy, **grpo)

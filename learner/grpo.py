@@ -2,11 +2,11 @@
 the advantages of the whole generation batch (§4.1-4.2; the reward total itself is tandem/core/shaping.py's, which
 the rollout worker's filter and the evaluation share), then per micro-batch the ratio, the clipped surrogate,
 truncated importance sampling, the KL term (§4.3-4.7), their aggregation by loss_type (§4.8) and the metrics (§5).
-Its implementations on the training path, each tested equal to the function here that it names: the default job's
-loss is kernels/logprobs.py's grpo_token_terms (per_token_loss at token level, the TIS weight truncated_is =
-tis_weight's) and kernels/triton_logprobs.py's _grpo_token on CUDA; the learner takes this file's per_token_loss
-itself for sequence-level ratios and the off-policy mask (learner/actor.py, Learner._micro_batch_loss). A new
-clipping variant is one term here, the same term in grpo_token_terms and _grpo_token, and its config field.
+The per-token term is written once, `token_term`: per_token_loss ([B, T] rows, sequence-level ratios, the
+off-policy mask) and grpo_token_terms (flat chunks of tokens, the chunked lm_head path of learner/logprobs.py) both
+call it. Its one other form is the Triton kernel's `_grpo_token` (kernels/triton_logprobs.py), on CUDA, tested
+against per_token_loss over every loss type and option, forward and gradient (tests/unit/test_kernels_triton.py,
+interpreted on a CPU). A new clipping variant is one term here, the same term in `_grpo_token`, and its config field.
 
 Shapes: B completions (rows) × T completion positions; `mask` is 1 on real completion tokens.
 Masked positions may hold anything (inf, NaN, 1e9): they are replaced before any arithmetic,
@@ -25,7 +25,7 @@ import torch
 from tandem.core import shaping
 from tandem.core.config import GRPOConfig
 from tandem.core.shaping import overlong_penalty
-from tandem.kernels.logprobs import truncated_is
+from tandem.kernels.logprobs import TisFromLogp, truncated_is
 
 # ------------------------------------------------------------------------------ advantages (§4.1-4.2)
 
@@ -160,11 +160,15 @@ def tis_weight(old_logp, sampler_logp, mask, cap, mode="token_truncate", clip_mi
     return w.to(old_logp.dtype)
 
 
+def k3(d):
+    """The k3 estimator of KL from d = ref − logp (clamped): exp(d) − d − 1 (docs/grpo.md §4.7)."""
+    return torch.exp(d) - d - 1
+
+
 def k3_kl(logp, ref_logp, mask):
     """[B, T] k3 estimator exp(ref − logp) − (ref − logp) − 1 (zero where masked)."""
     m = mask.bool()
-    d = (_clean(ref_logp, m) - _clean(logp, m)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return (torch.exp(d) - d - 1) * m
+    return k3((_clean(ref_logp, m) - _clean(logp, m)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) * m
 
 
 def off_policy_mask(advantages, logp, sampler_logp, mask, threshold):
@@ -179,9 +183,57 @@ def off_policy_mask(advantages, logp, sampler_logp, mask, threshold):
     return keep.to(logp.dtype)
 
 
+def token_term(d, advantages, *, epsilon=_G.epsilon, epsilon_high=_G.epsilon_high, delta=_G.delta, tis=None,
+               beta=_G.beta, kl_d=None):
+    """THE per-token GRPO term (docs/grpo.md §4.3-4.7), any shape: -min(r·A, clip(r, 1 − ε, 1 + ε_high)·A) · tis
+    + β·k3(kl_d), r = exp(d), the unclipped ratio capped at delta (two-sided clipping). d: the log-ratio, clamped and
+    0 where masked (log_ratio); tis: the truncated-IS weight or None; kl_d: ref − logp, clamped, when beta > 0."""
+    hi = epsilon if epsilon_high is None else epsilon_high
+    r = torch.exp(d)
+    unclipped = r if delta is None else r.clamp(max=delta)
+    loss = -torch.minimum(unclipped * advantages, r.clamp(1 - epsilon, 1 + hi) * advantages)
+    if tis is not None:
+        loss = loss * tis
+    if beta > 0:
+        loss = loss + beta * k3(kl_d)
+    return loss
+
+
+def grpo_token_terms(old_logp, advantages, token_weight, *, epsilon=_G.epsilon, epsilon_high=_G.epsilon_high,
+                     delta=_G.delta, beta=_G.beta, ref_logp=None, tis=None, tis_from: TisFromLogp | None = None):
+    """token_term over flat chunks of tokens, for kernels.linear_logprobs_loss: token_loss(logp[s:e], s, e) ->
+    token_weight · token_term on tokens s..e (0 where token_weight is 0). Flat [N] inputs (tensors or scalars);
+    old_logp None = on-policy (old = logp detached); tis: the truncated-IS weight, or tis_from (on-policy) to take
+    it from each token's own log-prob in the pass; ref_logp when beta > 0."""
+    if tis_from is not None and (old_logp is not None or tis is not None):
+        raise ValueError("tandem.learner.grpo.grpo_token_terms: tis_from is the on-policy weight (old_logp None, "
+                         "no tis)")
+    if beta > 0 and ref_logp is None:
+        raise ValueError("tandem.learner.grpo.grpo_token_terms: beta > 0 needs ref_logp")
+
+    def col(x, s, e, like):
+        return torch.as_tensor(x, dtype=like.dtype, device=like.device).expand(e - s) if not torch.is_tensor(x) \
+            or x.dim() == 0 else x[s:e].to(like.dtype)
+
+    def token_loss(logp, s, e):
+        w = col(token_weight, s, e, logp)
+        m = w != 0
+        old = logp.detach() if old_logp is None else col(old_logp, s, e, logp)
+        d = _clean(logp - old, m).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        weight = col(tis, s, e, logp) if tis is not None else None
+        if tis_from is not None:  # masked tokens' sampler log-probs may be garbage: weight 1 there, then 0 below
+            weight = torch.where(m, tis_from.weight(logp, s, e), torch.ones_like(logp))
+        kl = _clean(col(ref_logp, s, e, logp) - logp, m).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) if beta > 0 else None
+        loss = token_term(d, col(advantages, s, e, logp), epsilon=epsilon, epsilon_high=epsilon_high, delta=delta,
+                          tis=weight, beta=beta, kl_d=kl)
+        return _clean(loss * w, m)
+
+    return token_loss
+
+
 def token_term_params(g) -> dict:
-    """The grpo section's scalars that the per-token terms read, as the fused path's keywords (kernels/logprobs.py:
-    grpo_token_terms; kernels/triton_logprobs.py: linear_grpo_loss_triton): a new term's parameter is added here,
+    """The grpo section's scalars that the per-token terms read, as the fused path's keywords (grpo_token_terms;
+    kernels/triton_logprobs.py: linear_grpo_loss_triton): a new term's parameter is added here,
     not along the path between."""
     return {"epsilon": g.epsilon, "epsilon_high": g.epsilon_high, "delta": g.delta, "beta": g.beta}
 
@@ -208,18 +260,14 @@ def per_token_loss(
     """[B, T] clipped surrogate (+ TIS, + beta·KL); zero where mask is 0. off_policy_threshold: the
     off-policy sequence mask against behaviour_logp (the sampler's log-probs, else old_logp)."""
     m = mask.bool()
-    eps_hi = epsilon if epsilon_high is None else epsilon_high
-    ratio = torch.exp(log_ratio(logp, old_logp, m, importance_sampling_level))
-    a = advantages.to(ratio.dtype).unsqueeze(-1)
-    unclipped = ratio if delta is None else ratio.clamp(max=delta)
-    clipped = ratio.clamp(1 - epsilon, 1 + eps_hi)
-    loss = -torch.minimum(unclipped * a, clipped * a)
-    if sampler_logp is not None and tis_cap is not None:
-        loss = loss * tis_weight(old_logp, sampler_logp, m, tis_cap, tis_mode, tis_min)
-    if beta > 0:
-        if ref_logp is None:
-            raise ValueError("tandem.learner.grpo.per_token_loss: beta > 0 needs ref_logp")
-        loss = loss + beta * k3_kl(logp, ref_logp, m)
+    if beta > 0 and ref_logp is None:
+        raise ValueError("tandem.learner.grpo.per_token_loss: beta > 0 needs ref_logp")
+    d = log_ratio(logp, old_logp, m, importance_sampling_level)
+    tis = tis_weight(old_logp, sampler_logp, m, tis_cap, tis_mode, tis_min) \
+        if sampler_logp is not None and tis_cap is not None else None
+    kl = (_clean(ref_logp, m) - _clean(logp, m)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) if beta > 0 else None
+    loss = token_term(d, advantages.to(d.dtype).unsqueeze(-1), epsilon=epsilon, epsilon_high=epsilon_high,
+                      delta=delta, tis=tis, beta=beta, kl_d=kl)
     if off_policy_threshold is not None:  # TRL applies it to the whole per-token loss, KL included
         behaviour = behaviour_logp if behaviour_logp is not None else old_logp
         loss = loss * off_policy_mask(advantages, logp, behaviour, m, off_policy_threshold)

@@ -11,8 +11,15 @@ import dataclasses
 
 import torch
 
-from tandem.kernels.logprobs import TisFromLogp, grpo_token_terms, linear_grpo_loss, linear_logprobs, selective_logprobs
+from tandem.kernels.logprobs import (
+    TisFromLogp,
+    linear_logprobs,
+    linear_logprobs_loss,
+    selective_logprobs,
+    triton_available,
+)
 from tandem.learner.batch import mask_positions
+from tandem.learner.grpo import grpo_token_terms
 from tandem.learner.model import decoder_and_head
 
 
@@ -131,7 +138,7 @@ def completion_grpo_loss(model, batch, temperature: float, token_weight, *, old_
     """The micro-batch's GRPO loss, sum_t token_weight * loss_t (token_weight [B, T] from
     learner/forwards.py's plan_weights), token-level ratios. [B, T] inputs; old_logp None = on-policy. `terms`: the
     per-token terms' scalars (learner/grpo.py's token_term_params: epsilon, epsilon_high, delta, beta), passed as
-    they are to kernels/logprobs.py's grpo_token_terms, whose defaults are the spec's.
+    they are to learner/grpo.py's grpo_token_terms (or the Triton kernel on CUDA), whose defaults are the spec's.
     `tis_from`: on-policy with truncated importance sampling, the weight taken from this pass's own log-probs:
     a kernels.TisFromLogp (sampler_logp [B, T]; token modes) inside the loss's own lm_head pass, or a function
     `tis_from(logp [B, T]) -> tis [B, T]` (sequence modes) after an lm_head pass of its own, rather than from a
@@ -158,9 +165,21 @@ def completion_grpo_loss(model, batch, temperature: float, token_weight, *, old_
             kw["tis_from"] = dataclasses.replace(tis_from, sampler_logp=pick(tis_from.sampler_logp))
         if w is not None:
             loss, logp, ent = linear_grpo_loss(h, w, ids, pick(old_logp), adv, pick(token_weight),
-                                               temperature=temperature, chunk=chunk, with_entropy=True, **kw)
+                                               temperature=temperature, chunk=chunk, **kw)
         else:  # LoRA on the head, or a head with a bias: through the module, per chunk
             logp, ent = _module_logprobs(head, h, ids, temperature, chunk or 1024, True)
             loss = grpo_token_terms(pick(old_logp), adv, pick(token_weight), **kw)(logp, 0, logp.shape[0]).sum()
             logp = logp.detach()
     return loss, full(logp), full(ent)
+
+
+def linear_grpo_loss(h, w, ids, old_logp, adv, token_weight, *, temperature: float, chunk, **terms):
+    """The GRPO loss of flat tokens through the lm_head weight w: on CUDA the Triton kernel (the loss's one fused
+    form), elsewhere the chunked torch path over grpo_token_terms. -> (loss, logp detached, entropy)."""
+    if triton_available(h):
+        from tandem.kernels.triton_logprobs import linear_grpo_loss_triton
+
+        return linear_grpo_loss_triton(h, w, ids, old_logp, adv, token_weight, temperature=temperature, chunk=chunk,
+                                       with_entropy=True, **terms)
+    return linear_logprobs_loss(h, w, ids, grpo_token_terms(old_logp, adv, token_weight, **terms), temperature,
+                                chunk or 1024, with_entropy=True)

@@ -21,7 +21,7 @@ carries the version that sampled it (Completion.versions). A live request is nev
 masks a token too old for the weights that train on it, learner/batch.py); a merged engine loads a new version
 without draining its live requests. Otherwise (a group finishes under its own version, `cluster.inflight_updates:
 false`):
-A request can no longer become a trainable group once the newest version published (loaded, or waiting to load)
+A request can never become a trainable group once the newest version published (loaded, or waiting to load)
 is more than max_staleness ahead of the one it samples with, or once the controller says so (TrainableFrom: it
 took the last batch that could hold it, a training before that publish): an engine that can stop a request
 mid-sampling (`Engine.can_abort`) stops it at the next turn and fails it with StaleRequest, so that its sequences stop taking
@@ -92,7 +92,7 @@ class Request:
                  stoppable: bool = False):
         """min_version: sampled with this version or a newer one; pin: with exactly this one (an episode's later
         turns, on the version its first turn held); stoppable: a training group's, which the loop stops once it can
-        no longer be trained (an evaluation's runs to its end)."""
+        never be trained (an evaluation's runs to its end)."""
         self.ids, self.sampling, self.min_version, self.pin = ids, sampling, min_version, pin
         self.stoppable = stoppable
         self.version, self.result, self.error = 0, None, None  # version: the one it was sampled with
@@ -167,7 +167,7 @@ class EngineLoop:
     stream per thread) until STOP or `stop()`. version: the newest version served (0: the base model)."""
 
     def __init__(self, lora: bool, max_staleness: int | None = None, inflight: bool = False):
-        """max_staleness: stop requests that can no longer be trained (None: every request runs to its end);
+        """max_staleness: stop requests that can never be trained (None: every request runs to its end);
         inflight: a training request follows every load (where the engine can)."""
         self.lora = lora  # versions are adapters (else full weights)
         self.max_staleness = max_staleness
@@ -266,7 +266,7 @@ class EngineLoop:
                 self._early.append(s)
 
     def _stop_stale(self) -> None:
-        """Requests that can no longer be trained (the module's docstring) stopped and failed with StaleRequest."""
+        """Requests that can never be trained (the module's docstring) stopped and failed with StaleRequest."""
         if self.max_staleness is None or not self.engine.can_abort or not self._running:
             return
         newest = max([self.version] + [c.version for c in self._held if isinstance(c, LoadVersion)])

@@ -222,7 +222,7 @@ class RolloutWorker:
                 ) -> list[Sampled | RolloutFailure]:
         """Each item's completions, sampled in one request of n completions; with tools or an environment, the n
         episodes of each item, all of them at once on the worker's event loop (rollout/episodes.py). training: the
-        requests are training groups', stopped once they can no longer be trained (a RolloutFailure with its
+        requests are training groups', stopped once they can never be trained (a RolloutFailure with its
         stale_version: rollout/engine_loop.py)."""
         if self.episodes is not None:  # a training group's episodes in flight where its single turn would be
             live = training and self.loop.inflight and self.engine.updates_in_flight

@@ -404,7 +404,7 @@ def LoRARequest_(*args, **kw):  # noqa: N802 - vLLM's LoRARequest, imported once
 
 def adapter_scratch_dir() -> str:
     """A directory of this process for the adapter_config.json vLLM reads, in /dev/shm where there is one. Named
-    after the process: those of processes no longer alive (a worker killed before its close) are removed here."""
+    after the process: those of processes that have exited (a worker killed before its close) are removed here."""
     import glob
 
     parent = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()

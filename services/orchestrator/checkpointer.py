@@ -195,6 +195,16 @@ class Checkpointer:
             raise self._refusal(passed)
         return None
 
+    def refuse_another_job(self, ck: Path, allowed: bool) -> None:
+        """Raises when checkpoint `ck` was written by a job whose fingerprint differs from this one's (unless
+        `allowed`: checkpoint.allow_changed_job); checkpoints written before fingerprints pass."""
+        saved = json.loads(Store(ck).read_text("tandem.json"))["controller"].get("fingerprint")
+        changed = fingerprint_changes(saved, self.fingerprint) if saved else []
+        if changed and not allowed:
+            raise JobConfigError(f"checkpoint.resume: {ck} was written by a different job: {'; '.join(changed)}; "
+                                 "allowed: the same data, seed, model and training settings, or "
+                                 "checkpoint.allow_changed_job: true")
+
     def refuse_if_none_readable(self) -> None:
         """Before any actor starts: where checkpoints exist and none looks readable, the refusal `resume` would give
         after starting them all."""

@@ -120,3 +120,27 @@ def worker_starter(cfg, host=None):
             return h, h.setup.remote()
         return start_rollout_worker(cfg, slot)
     return start
+
+
+def start_actors(cfg, total_steps: int, counters, say):
+    """The job's learner group and rollout pool, the learner's setup running while the rollout workers start
+    (colocate: rank 0's actor is worker 0). -> (LearnerGroup, RolloutPool)."""
+    from tandem.core.checks import write_shared_probe
+    from tandem.core.engine_memory import prompts_in_flight
+    from tandem.core.storage import Store
+    from tandem.learner.group import LearnerGroup
+    from tandem.services.orchestrator.rollout_pool import RolloutPool
+
+    probe = write_shared_probe(cfg.logging.output_dir)
+    try:
+        colocate = cfg.cluster.vllm_mode == "colocate"
+        host = dict(actor_class=colocated_actor_class(cfg), prefix=PREFIX) if colocate else {}
+        learner = LearnerGroup(cfg, total_steps=total_steps, probe=probe, wait=False, **host)
+        start = worker_starter(cfg, host=learner.actors[0] if colocate else None)
+        pool = RolloutPool(start, prompts_in_flight(cfg), counters, max_worker_restarts=cfg.cluster.max_worker_restarts,
+                           say=say, request=f"cluster.rollout_resources = {cfg.cluster.rollout_resources.model_dump()}")
+        pool.start(cfg.cluster.num_rollout_workers)
+        learner.ready()
+        return learner, pool
+    finally:
+        Store(probe).delete()

@@ -5,7 +5,8 @@ other (prime-rl's orchestrator; torchforge's two loops around a buffer):
   RolloutPool    the rollout workers: fed up to their prompts in flight, groups streamed back, scaling,
                  dead workers replaced, adapters published
   GroupBuffer    scored groups waiting for the learner: staleness and admission (dynamic sampling) decided there
-  FailureLog     prompts that did not become a trainable group (failed_prompts.jsonl)
+  Intake         what the workers hand back, sorted: into the buffer, handed out again, or recorded as
+                 failed (its FailureLog: failed_prompts.jsonl)
   TrainedRecord  what was trained, per epoch
   LearnerGroup   training (learner/)
   Checkpointer   when, where, how many, what to resume from
@@ -25,7 +26,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import json
 import threading
 import time
 from collections import Counter
@@ -33,13 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from tandem.core.config import JobConfigError
 from tandem.core.engine_memory import oversample_prompts, token_lag_bound
-from tandem.core.errors import RewardContractError
 from tandem.core.plan import BatchPlan
 from tandem.core.protocol import errors_as_text
-from tandem.core.storage import Store, run_mirror
-from tandem.rollout.episodes import episode_metrics
+from tandem.core.storage import run_mirror
 from tandem.services.orchestrator.autoscale import (
     CycleLoad,
     autoscale,
@@ -51,28 +48,21 @@ from tandem.services.orchestrator.checkpointer import (
     Checkpointer,
     clear_run_dir,
     fingerprint,
-    fingerprint_changes,
-    rows_digest,
 )
-from tandem.services.orchestrator.data import job_rows, prompt_table
+from tandem.services.orchestrator.colocated import start_actors
+from tandem.services.orchestrator.data import read_job_data
 from tandem.services.orchestrator.epoch_record import EpochRecord, TrainedRecord
 from tandem.services.orchestrator.evaluator import Evaluator
 from tandem.services.orchestrator.failures import FailureLog
 from tandem.services.orchestrator.group_buffer import GroupBuffer
+from tandem.services.orchestrator.intake import Intake
 from tandem.services.orchestrator.pipeline import (
     prompts_wanted,
     trained_ahead_allowed,
 )
 from tandem.services.orchestrator.prompt_source import PromptSource
 from tandem.services.orchestrator.rollout_pool import RolloutPool, lost_object
-from tandem.services.orchestrator.run_log import (  # noqa: F401 - deploy/ reads EXPORTED
-    EXPORTED,
-    RunLog,
-    rollout_rates,
-    sampling_times,
-    series_name,
-    wasted_frac,
-)
+from tandem.services.orchestrator.run_log import RunLog, cycle_lines
 from tandem.services.orchestrator.trackers import Trackers
 from tandem.services.orchestrator.trl_checkpoint import Epochs, write_trl_checkpoint
 
@@ -175,7 +165,7 @@ class Controller:
         self.source: PromptSource | None = None
         self.buffer: GroupBuffer | None = None
         self.record: TrainedRecord | None = None
-        self.failures: FailureLog | None = None
+        self.intake: Intake | None = None
         # the actors, the files
         self.pool: RolloutPool | None = None
         self.learner = self.evaluator = None
@@ -207,12 +197,15 @@ class Controller:
         if self.log.mirror:
             self.log.mirror.pull()  # a resumed run's record, to cut back and append to
         self.out.mkdir(parents=True, exist_ok=True)
-        rows, content = self._read_data(own_process)
+        data, evals, tok, content = read_job_data(cfg, self.datasets, own_process, say)
+        self.source, rows = PromptSource(len(data), cfg.seed, cfg.data.shuffle, table=data), len(data)
+        self.evaluator = Evaluator(cfg, evals, tok) if evals is not None else None
         bound = token_lag_bound(cfg)  # in flight, a group goes only when the loss would mask all of it
         self.buffer = GroupBuffer(cfg.cluster.max_staleness if bound is None else bound, rows, cfg.grpo.dynamic_sampling,
                                   int(cfg.grpo.max_oversampling * self.plan.unique_prompts))
         self.record = TrainedRecord(rows)
-        self.failures = FailureLog(self.out / "failed_prompts.jsonl", cfg.rewards, self.plan.unique_prompts, rows, say)
+        failures = FailureLog(self.out / "failed_prompts.jsonl", cfg.rewards, self.plan.unique_prompts, rows, say)
+        self.intake = Intake(cfg, self.source, self.buffer, failures, self.log, self.counters)
         self.checkpoints.fingerprint = fingerprint(cfg, rows, content)
         p = self.progress
         p.total_cycles = self.plan.total_cycles(cfg.batch.max_steps, cfg.batch.num_train_epochs, rows)
@@ -222,51 +215,9 @@ class Controller:
         if cfg.cluster.autoscale:  # before the wait: a node the autoscaler adds is one it was asked for
             request_job_resources(cfg, cfg.cluster.num_rollout_workers)
         wait_for_nodes(cfg, resource_wait_s)
-        self._start_actors()
+        self.learner, self.pool = start_actors(cfg, self.progress.total_steps, self.counters, say)
         self.log.trackers = Trackers(cfg)
         return self.status()
-
-    def _read_data(self, own_process: bool) -> tuple[int, str | None]:
-        """The prompts (and eval prompts) read, shaped, checked and tokenised once, here: workers receive token
-        ids. -> (the number of rows, their content hash where they did not come from a local file)."""
-        from tandem.core.compat import load_tokenizer, tokenizer_without_torch
-        from tandem.rollout.episodes import job_tool_schemas
-
-        cfg = self.cfg
-        # a Ray actor of its own runs no model: its transformers may stay torch-less
-        tok = (tokenizer_without_torch if own_process else load_tokenizer)(cfg.model.local_dir())
-
-        schemas = job_tool_schemas(cfg, tok)
-        rows, where = job_rows(cfg, self.datasets, "data")
-        data = prompt_table(rows, cfg, tok, schemas, where, say)
-        self.source = PromptSource(len(data), cfg.seed, cfg.data.shuffle, table=data)
-        if cfg.eval.path is not None or "eval" in self.datasets:
-            eval_rows, eval_where = job_rows(cfg, self.datasets, "eval")
-            self.evaluator = Evaluator(cfg, prompt_table(eval_rows, cfg, tok, schemas, eval_where), tok)
-        local = "data" not in self.datasets and Path(cfg.data.path).exists()
-        return len(data), None if local else rows_digest(rows)
-
-    def _start_actors(self) -> None:
-        """The learner's setup runs while the rollout workers start (colocate: rank 0's actor is worker 0)."""
-        from tandem.core.checks import write_shared_probe
-        from tandem.core.engine_memory import prompts_in_flight
-        from tandem.learner.group import LearnerGroup
-        from tandem.services.orchestrator.colocated import PREFIX, colocated_actor_class, worker_starter
-
-        cfg = self.cfg
-        probe = write_shared_probe(cfg.logging.output_dir)
-        try:
-            colocate = cfg.cluster.vllm_mode == "colocate"
-            host = dict(actor_class=colocated_actor_class(cfg), prefix=PREFIX) if colocate else {}
-            self.learner = LearnerGroup(cfg, total_steps=self.progress.total_steps, probe=probe, wait=False, **host)
-            start = worker_starter(cfg, host=self.learner.actors[0] if colocate else None)
-            self.pool = RolloutPool(start, prompts_in_flight(cfg), self.counters,
-                                    max_worker_restarts=cfg.cluster.max_worker_restarts, say=say,
-                                    request=f"cluster.rollout_resources = {cfg.cluster.rollout_resources.model_dump()}")
-            self.pool.start(cfg.cluster.num_rollout_workers)
-            self.learner.ready()
-        finally:
-            Store(probe).delete()
 
     # --------------------------------------------------------------------------------- cycle
 
@@ -295,13 +246,13 @@ class Controller:
                                                     self.progress.interrupted.is_set())
             if ahead:
                 self.progress.training = self._train_ahead()  # before the send: the learner waits for nothing
-            sent = self._send(adapter_ref)
+            sent = self.pool.send(self.version, adapter_ref), time.time()  # to every worker
             self._feed_ahead()
             started = self._await_published(sent, train_ahead=ahead)
         steps = self._metrics(result["steps"], batch, before, stage, training.sampled)
         with stage("record"):
             saved = self._record(steps, saving)
-            self._push()
+            self.log.push()
         self._autoscale(stage.seconds, self.plan.unique_prompts if started else 0)
         return {"version": self.version, "steps": steps, "done": self._done(), "notices": notices(), "saved": saved}
 
@@ -324,23 +275,6 @@ class Controller:
         if self.cycle == 0 and self.evaluator and self.cfg.eval.eval_on_start and not self.log.has_step(0):
             self.log.write([{"step": 0, **self.evaluator.run(self.pool.ray, self._serving(), self.version, 0)}])
 
-    def _evaluate(self, step: int) -> dict:
-        """The evaluation due at `step` on the workers serving now. With none serving (the only rollout node lost, its
-        worker's replacement starting) it is postponed to the next cycle, said in one line; the run's last one waits
-        for a worker instead (said every 10 s by the pool), so the final evaluation always runs."""
-        ev = self.evaluator
-        if not self.pool.serving() and not self._done():
-            if ev.postponed is None:
-                ev.postponed = step
-                say(f"tandem: the evaluation of step {step} is postponed: no rollout worker serves now (worker(s) "
-                    f"{self.pool.starting(0)} starting); it runs at the next cycle that has one")
-            return {}
-        out = ev.run(self.pool.ray, self._serving(), self.version, step)
-        if ev.postponed is not None and ev.postponed != step:
-            out["eval/postponed_from"] = ev.postponed
-        ev.postponed = None
-        return out
-
     def _serving(self) -> list:
         """The workers serving now, once there is one: prompts are taken back and dead workers replaced meanwhile."""
         while not self.pool.serving():
@@ -354,7 +288,7 @@ class Controller:
         while True:
             if self.progress.interrupted.is_set():  # before training: nothing of this cycle is trained or lost
                 raise CycleInterrupted(f"cycle {self.cycle} interrupted while gathering groups")
-            self._requeue_stale()
+            self.intake.drop_stale(self.version)
             if len(self.buffer) >= U:
                 break
             if self.buffer.oversampled() and not self.pool.in_flight():
@@ -363,11 +297,7 @@ class Controller:
                 continue
             self._gather(max(U, self._wanted(training=False)), timeout=1.0)
         sampled = self._sampled(filled)
-        return self._take(), sampled
-
-    def _take(self) -> list:
-        """The next batch from the buffer: the groups of the oldest versions first (GroupBuffer.take)."""
-        return self.buffer.take(self.plan.unique_prompts)
+        return self.buffer.take(self.plan.unique_prompts), sampled  # the groups of the oldest versions first
 
     def _sampled(self, filled: int) -> dict:
         """Dynamic sampling's counts of the batch about to be taken (the take starts them again)."""
@@ -397,12 +327,12 @@ class Controller:
     def _train_ahead(self) -> Training | None:
         """The next batch, when its groups are buffered fresh for the version just exported, starts training now.
         -> its Training, or None (the next cycle collects it)."""
-        self._requeue_stale()
+        self.intake.drop_stale(self.version)
         if len(self.buffer) < self.plan.unique_prompts:
             return None
         sampled = self._sampled(filled=0)
         self.counters["batches_trained_ahead"] += 1
-        return self._start_training(self._take(), sampled)
+        return self._start_training(self.buffer.take(self.plan.unique_prompts), sampled)
 
     def _finish_training(self, training: Training) -> tuple[dict, Training]:
         """The learner's result of a batch; with max_staleness >= 1 the workers keep sampling meanwhile. Groups whose
@@ -414,7 +344,8 @@ class Controller:
             except self.pool.ray.exceptions.RayError as e:
                 if not lost_object(e):
                     raise
-                training = self._start_training(self._without_lost(training.batch), training.sampled)
+                self.intake.without_lost(training.batch, self.pool.ray, say)  # the rest back in the buffer's front
+                training = self._start_training(self._collect()[0], training.sampled)
                 continue
             self.counters["stale_masked_tokens"] += int(result["steps"][0].get("rollout/stale_masked_tokens", 0))
             for m, _ in training.batch:
@@ -423,26 +354,6 @@ class Controller:
                 self.log.group("trained", self.version, m["index"], m["epoch"], m["version"], cycle=self.cycle + 1,
                                tokens=m.get("tokens"), taken_at=m.get("taken_at"))
             return result, training
-
-    def _without_lost(self, batch: list) -> list:
-        """The batch less its groups whose objects are gone (their prompts to the front of the queue), the rest back
-        in the buffer's front, then collected up to a batch again."""
-        ray, kept, lost = self.pool.ray, [], []
-        for m, ref in batch:
-            try:
-                ray.get(ref, timeout=30)
-                kept.append((m, ref))
-            except ray.exceptions.RayError as e:
-                if not lost_object(e):
-                    raise
-                lost.append(m)
-        for m in lost:
-            self.source.requeue(m["index"], m["epoch"], front=True)
-        self.counters["groups_lost"] += len(lost)
-        say(f"tandem: {len(lost)} scored group(s) lost with their node (dataset rows {sorted(m['index'] for m in lost)})"
-            f": sampled again; nothing was trained on them")
-        self.buffer.groups[:0] = kept
-        return self._collect()[0]
 
     def _wait_trained(self, refs: list) -> dict:
         """The learner's result; with max_staleness >= 1 groups are taken back and prompts handed out meanwhile,
@@ -468,72 +379,14 @@ class Controller:
         if room > 0:
             self.buffer.handed_out(self.pool.feed(lambda: self.source.next_item(self.version), room))
         results, lost = self.pool.poll(timeout=timeout, wake=wake)
-        self._handle_lost(lost)
+        self.intake.lost(lost)
         for it, meta, ref in results:
-            self._accept(it, meta, ref)
+            self.intake.accept(it, meta, ref, self.version, self.progress.all_taken)
         return len(results)
-
-    def _accept(self, it, meta: dict, ref) -> None:
-        if meta.get("stale_version") is not None:  # stopped mid-sampling
-            left = self.progress.all_taken
-            self.log.group("left" if left else "stopped", self.version, it.index, it.epoch, meta["stale_version"],
-                           handed_out_at=it.queued_at)
-            if left:  # by the run's end: left for a resume (the checkpoint's source state)
-                self.source.requeue(it.index, it.epoch)
-            else:  # it could no longer be trained
-                self.counters["stale_stopped"] += 1
-                self._stale(it.index, it.epoch, meta["stale_version"])
-        elif not meta.get("failure"):
-            self.failures.rewarded()
-            times = {"handed_out_at": it.queued_at, "returned_at": time.time()}  # run_log.sampling_times
-            admitted = self.buffer.admit(dict(meta, index=it.index, epoch=it.epoch, **times), ref)
-            self.log.group("returned" if admitted else "filtered", self.version, it.index, it.epoch, meta["version"],
-                           tokens=meta.get("tokens"), **times, **in_flight_versions(meta))
-            if not admitted:
-                self.counters["groups_filtered"] += 1
-                self.counters["filtered_tokens"] += meta.get("tokens", 0)
-        elif meta.get("fatal"):  # the function's answer has the wrong shape: every other row would fail the same way
-            raise RewardContractError(meta["failure"])
-        elif meta.get("no_reward"):  # the functions' answer, not a failure: recorded at once, never retried
-            self.counters["groups_no_reward"] += 1
-            self.failures.no_reward(it.index, it.epoch, meta["failure"])
-        else:
-            self.counters["reward_failures"] += 1
-            if not self.source.retry(it.index, it.epoch):
-                self.failures.reward_error(it.index, it.epoch, meta["failure"])
-
-    def _handle_lost(self, lost: list) -> None:
-        """Prompts a dead worker held: back to the front of the queue, or, the second time, failed (nothing lost)."""
-        for it in lost:
-            if not self.source.died_with_worker(it.index, it.epoch):
-                self.counters["worker_died_prompts"] += 1
-                self.failures.worker_died(it.index, it.epoch, f"the rollout worker died twice while running dataset "
-                                          f"row {it.index} (the second time with no other prompt)")
-
-    def _requeue_stale(self) -> None:
-        for m in self.buffer.drop_stale(self.version):
-            self.counters["stale_dropped"] += 1
-            self.counters["stale_dropped_tokens"] += m.get("tokens", 0)
-            self.log.group("dropped", self.version, m["index"], m["epoch"], m["version"], tokens=m.get("tokens"),
-                           returned_at=m.get("returned_at"))
-            self._stale(m["index"], m["epoch"], m["version"])
-
-    def _stale(self, index: int, epoch: int, version: int) -> None:
-        """A group past the staleness bound (stopped mid-sampling, or dropped from the buffer when it came back too
-        late): its prompt sampled again once in its epoch, the second time recorded as not trained (the source
-        counts)."""
-        if not self.source.went_stale(index, epoch, self.version):
-            self.counters["stale_failed"] += 1
-            self.failures.too_slow(index, epoch, self.version - version, self.cfg.cluster.max_staleness,
-                                   oversample_prompts(self.cfg))
 
     # Publishing waits for no generation: each worker loads the adapter between two engine steps while its requests
     # run on, so every worker serves the new version before the next cycle begins (with max_staleness 0, before any
     # of its prompts goes out).
-    def _send(self, adapter_ref) -> tuple:
-        """The adapter of version self.version to every worker. -> (what was sent, the time it was sent)."""
-        return self.pool.send(self.version, adapter_ref), time.time()
-
     def _feed_ahead(self) -> None:
         """The prompts the staleness bound allows for the version just sent go out now (those of the batches after the
         one in training, if any): each worker starts them the moment it serves that version, while this cycle's
@@ -554,7 +407,7 @@ class Controller:
             self.progress.training = self._train_ahead()
             started = self.progress.training is not None
             waiting = self.pool.ray.wait(waiting, num_returns=len(waiting), timeout=0)[1]
-        self._handle_lost(self.pool.wait_published(handed))
+        self.intake.lost(self.pool.wait_published(handed))
         self.progress.publish_latency_s = time.time() - sent_at
         return started
 
@@ -565,30 +418,24 @@ class Controller:
                 "dropped_tokens": self.counters["stale_dropped_tokens"]}
 
     def _metrics(self, steps, batch, before, stage: Stages, sampled: dict) -> list[dict]:
-        lags = Counter(self.version - 1 - m["version"] for m, _ in batch)
-        t, now = stage.seconds, self._rollout_stats()
-        extra = {
-            "cycle": self.cycle, "generate_wait_s": t["collect"], "train_s": t["train"],
-            "publish_s": t["publish"],  # export + publish
+        t, metas = stage.seconds, [m for m, _ in batch]
+        lines = cycle_lines(steps, metas, self.version, before, self._rollout_stats(), self.counters,
+                            self.progress.last_take, {
+            "cycle": self.cycle, "generate_wait_s": t["collect"], "train_s": t["train"], "publish_s": t["publish"],
             "publish_latency_s": self.progress.publish_latency_s, "cycle_s": time.time() - stage.t0,
             "queue_depth": len(self.buffer) + self.pool.in_flight(), "prompts_in_flight": self.pool.in_flight(),
-            "cluster/rollout_workers": self.pool.target, "cluster/scale_events": self.counters["scale_events"],
-            "staleness_hist": {str(k): v for k, v in sorted(lags.items())},
-            **rollout_rates(before, now), "rollout/wasted_frac": wasted_frac(self.counters, now),
-            "rollout/prompts_never_trained": self.failures.never_trained(),
-            **{f"count/{k}": v for k, v in self.counters.items()},
-            **(sampled if self.cfg.grpo.dynamic_sampling else {}),
-            **episode_metrics([m.get("episodes") for m, _ in batch]),
-            **sampling_times([m for m, _ in batch], self.progress.last_take),
-        }
-        self.progress.last_take = max((m["taken_at"] for m, _ in batch if m.get("taken_at")), default=None)
-        return [dict(s, **extra) for s in steps]
+            "cluster/rollout_workers": self.pool.target,
+            "rollout/prompts_never_trained": self.intake.failures.never_trained(),
+            **(sampled if self.cfg.grpo.dynamic_sampling else {})})
+        self.progress.last_take = max((m["taken_at"] for m in metas if m.get("taken_at")), default=None)
+        return lines
 
     def _record(self, steps: list[dict], saving: bool) -> str | None:
         """The eval when due (on the last step's line), the metrics lines, the checkpoint when `saving` (-> its
         path)."""
         if self.evaluator and self.evaluator.due(steps[0]["step"], steps[-1]["step"], self._done()):
-            steps[-1].update(self._evaluate(steps[-1]["step"]))
+            steps[-1].update(self.evaluator.at(self.pool, self._serving, self.version, steps[-1]["step"],
+                                               self._done(), say))
         self.log.write(steps)
         return self._save() if saving else None
 
@@ -623,7 +470,7 @@ class Controller:
             [(m["index"], m["epoch"]) for m, _ in ahead]
         return {"fingerprint": self.checkpoints.fingerprint, "source": self.source.state(pending),
                 "progress": self.progress.state(), "record": self.record.state(), "buffer": self.buffer.state(),
-                "failures": self.failures.state(), "counters": dict(self.counters)}
+                "failures": self.intake.failures.state(), "counters": dict(self.counters)}
 
     @one_at_a_time
     def save_checkpoint(self) -> str:
@@ -640,17 +487,12 @@ class Controller:
         path = self.learner.save_checkpoint(self.checkpoints.path(self.cycle), {"controller": self.state()})
         self.checkpoints.prune()
         write_trl_checkpoint(path, self.cfg, self.log.lines(), self.progress.total_steps, self.epochs)
-        self._push()
+        self.log.push()
         return path
 
     @property
     def epochs(self) -> Epochs:
         return Epochs(self.plan.optimizer_steps_per_cycle, self.plan.unique_prompts, self.record.epochs.rows)
-
-    def _push(self) -> None:
-        """The run files written since the last push to the storage URI (none for a local output_dir)."""
-        if self.log.mirror:
-            self.log.mirror.push()
 
     @one_at_a_time
     def resume(self) -> str | None:
@@ -671,12 +513,7 @@ class Controller:
 
     def _load(self, ck: Path) -> dict:
         """One checkpoint into the learner and the parts (raises when it was written by another job)."""
-        saved = json.loads(Store(ck).read_text("tandem.json"))["controller"].get("fingerprint")
-        changed = fingerprint_changes(saved, self.checkpoints.fingerprint) if saved else []  # none in old ones
-        if changed and not self.cfg.checkpoint.allow_changed_job:
-            raise JobConfigError(f"checkpoint.resume: {ck} was written by a different job: {'; '.join(changed)}; "
-                                 "allowed: the same data, seed, model and training settings, or "
-                                 "checkpoint.allow_changed_job: true")
+        self.checkpoints.refuse_another_job(ck, self.cfg.checkpoint.allow_changed_job)
         meta = self.learner.load_checkpoint(str(ck))
         self._restore(meta["controller"])
         return meta
@@ -687,12 +524,12 @@ class Controller:
         self.progress.load(st["progress"])
         self.record.load(st["record"])
         self.buffer.load(st["buffer"])
-        self.failures.load(st["failures"])
+        self.intake.failures.load(st["failures"])
         self.counters.clear()
         self.counters.update(st["counters"])
         if self.version > 0:
             self.progress.version, adapter_ref = self.learner.export_adapter()
-            self._await_published(self._send(adapter_ref))
+            self._await_published((self.pool.send(self.version, adapter_ref), time.time()))
 
     @one_at_a_time
     def shutdown(self) -> None:
@@ -702,19 +539,11 @@ class Controller:
         if self.log.trackers is not None:
             self.log.trackers.close()
         self.log.flush_groups()  # groups that came back after the last step's line
-        self._push()  # the trackers' last files
+        self.log.push()  # the trackers' last files
         if self.learner is not None:
             self.learner.shutdown()
         if self.cfg.cluster.autoscale:
             request_rollout_resources(0, {}, [])  # the job's request withdrawn: its nodes may go once idle
-
-
-def in_flight_versions(meta: dict) -> dict:
-    """A group's versions for its trace line where a publish reached it while sampling: the one it started on, and
-    each completion's versions (those that sampled its tokens)."""
-    if "completion_versions" not in meta:
-        return {}
-    return {"first_version": meta["first_version"], "completion_versions": meta["completion_versions"]}
 
 
 def parts_state(st: dict, rows: int) -> dict:

@@ -187,3 +187,23 @@ def job_rows(cfg, given: dict, section: str) -> tuple[list, str]:
         raise JobConfigError(f"{section}.path: required (a data file, a saved dataset directory or a Hub dataset "
                              "id); null only with rows given from Python (tandem.GRPOTrainer)")
     return read_dataset(f"{section}.path", sec.path, sec.name, sec.split), sec.path
+
+
+def read_job_data(cfg, datasets: dict, own_process: bool, say):
+    """The prompts (and eval prompts) read, shaped, checked and tokenised once, by the controller: workers receive
+    token ids. own_process: the controller is a Ray actor of its own, which runs no model (its transformers may stay
+    torch-less). -> (the prompts' table, the eval prompts' or None, the tokenizer, the rows' content hash where they
+    did not come from a local file)."""
+    from tandem.core.compat import load_tokenizer, tokenizer_without_torch
+    from tandem.rollout.episodes import job_tool_schemas
+    from tandem.services.orchestrator.checkpointer import rows_digest
+
+    tok = (tokenizer_without_torch if own_process else load_tokenizer)(cfg.model.local_dir())
+    schemas = job_tool_schemas(cfg, tok)
+    rows, where = job_rows(cfg, datasets, "data")
+    data, evals = prompt_table(rows, cfg, tok, schemas, where, say), None
+    if cfg.eval.path is not None or "eval" in datasets:
+        eval_rows, eval_where = job_rows(cfg, datasets, "eval")
+        evals = prompt_table(eval_rows, cfg, tok, schemas, eval_where)
+    local = "data" not in datasets and Path(cfg.data.path).exists()
+    return data, evals, tok, None if local else rows_digest(rows)

@@ -22,7 +22,7 @@ class EpochRecord:
 
     def add(self, epoch: int, index: int) -> None:
         if epoch not in self.bits and self.bits and epoch < min(self.bits):
-            self.counts[epoch] += 1  # an epoch closed long ago: counted, no longer checked
+            self.counts[epoch] += 1  # an epoch closed long ago: counted, not checked
             return
         b = self.bits.setdefault(epoch, np.zeros(self.rows, dtype=bool))
         if b[index]:

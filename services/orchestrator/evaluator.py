@@ -59,6 +59,23 @@ class Evaluator:
             return True
         return self.every > 0 and last_step // self.every > (first_step - 1) // self.every
 
+    def at(self, pool, serving, version: int, step: int, last: bool, say) -> dict:
+        """The evaluation due at `step` on the pool's workers serving now. With none serving (the only rollout node
+        lost, its worker's replacement starting) it is postponed to the next cycle, said in one line; the run's
+        `last` one waits for a worker instead (serving(): the workers serving, once there is one; the pool says the
+        wait every 10 s), so the final evaluation always runs."""
+        if not pool.serving() and not last:
+            if self.postponed is None:
+                self.postponed = step
+                say(f"tandem: the evaluation of step {step} is postponed: no rollout worker serves now (worker(s) "
+                    f"{pool.starting(0)} starting); it runs at the next cycle that has one")
+            return {}
+        out = self.run(pool.ray, serving(), version, step)
+        if self.postponed is not None and self.postponed != step:
+            out["eval/postponed_from"] = self.postponed
+        self.postponed = None
+        return out
+
     def run(self, ray, workers: list, version: int, step: int) -> dict:
         t0 = time.time()
         items = [self.table.item(i, 0) for i in range(len(self.table))]

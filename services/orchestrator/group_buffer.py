@@ -76,7 +76,7 @@ class GroupBuffer:
 
     def take(self, n: int) -> list:
         """The next batch: the n groups sampled with the oldest versions (in arrival order within one), so a group
-        that the next batch could no longer take is never left behind for a fresher one that could wait (taken in
+        that the next batch could not take any more is never left behind for a fresher one that could wait (taken in
         arrival order, a long group came back after fresher ones and was dropped stale: up to 11 whole groups in six
         steps of the 1.5B long tail at max_staleness 1, bench/results/e2e_gpu_scale.md, the H200 runs of
         2026-12-06). This batch's unused filler counts as used (filtered), and its bound starts again."""

@@ -6,6 +6,7 @@ import json
 import re
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
 # metrics of the last optimizer step of each cycle exported as Ray metrics (the dashboard's Metrics
@@ -23,7 +24,7 @@ def series_name(key: str) -> str:
     return "tandem_" + key.replace("/", "_")
 
 
-def rollout_rates(before: dict, after: dict) -> dict:
+def rollout_rates(start: dict, after: dict) -> dict:
     """Per-cycle rollout figures from two snapshots of the workers' stats ({worker: {tokens, busy_s,
     stale_sequence_steps}} and the time `t` each was taken): generated tokens per second of engine busy time (summed
     over workers), the share of the cycle an engine was busy (mean over workers), the longest busy time, the
@@ -32,11 +33,11 @@ def rollout_rates(before: dict, after: dict) -> dict:
     steps and the tokens of the groups that finished (an upper bound: a stopped sequence may have ended before), and for
     streaming engines their steps a second of busy time and the sequences a step carried (a group's tokens count in
     the cycle it finishes: over a cycle, an estimate)."""
-    wall = max(after["t"] - before["t"], 1e-9)
+    wall = max(after["t"] - start["t"], 1e-9)
     rates, fracs, busiest, tokens, stale = {}, {}, 0.0, 0, 0
     steps, stepping, carried = 0, 0.0, 0  # the streaming engines': steps, their busy time, sequence steps
     for w, s in after["workers"].items():
-        b = before["workers"].get(w, {"tokens": 0, "busy_s": 0.0})
+        b = start["workers"].get(w, {"tokens": 0, "busy_s": 0.0})
         busy, made = s["busy_s"] - b["busy_s"], s["tokens"] - b["tokens"]
         rates[w] = made / busy if busy > 0 else 0.0
         fracs[w] = busy / wall
@@ -46,7 +47,7 @@ def rollout_rates(before: dict, after: dict) -> dict:
         if n := s.get("engine_steps", 0) - b.get("engine_steps", 0):  # a streaming engine's (vLLM's)
             steps, stepping, carried = steps + n, stepping + busy, carried + made + wasted
     # a dropped group finished in this cycle or an earlier one: over one cycle the share is capped at all of it
-    dropped = after.get("dropped_tokens", 0) - before.get("dropped_tokens", 0)
+    dropped = after.get("dropped_tokens", 0) - start.get("dropped_tokens", 0)
     out = {"rollout/gen_tokens_per_s": sum(rates.values()),
            "rollout/busy_frac": sum(fracs.values()) / len(fracs) if fracs else 0.0, "rollout_busy_s": busiest,
            "rollout/stale_waste_frac": min(1.0, (stale + dropped) / (stale + tokens)) if stale + tokens > 0 else 0.0}
@@ -150,6 +151,11 @@ class RunLog:
             self._groups.append({"time": time.time(), "event": event, "served": served, "index": index,
                                  "epoch": epoch, "version": version, **more})
 
+    def push(self) -> None:
+        """The run files written since the last push to the storage URI (none for a local output_dir)."""
+        if self.mirror:
+            self.mirror.push()
+
     def flush_groups(self) -> None:
         if self._groups:
             with open(self.group_trace, "a") as f:
@@ -187,6 +193,23 @@ class RunLog:
                 self._export_failed = True
                 print(f"tandem: the Ray metrics of step {steps[-1].get('step')} could not be exported "
                       f"({type(e).__name__}: {e}); metrics.jsonl has them", flush=True)
+
+
+def cycle_lines(steps: list[dict], metas: list[dict], version: int, before: dict, now: dict, counters, last_take,
+                figures: dict) -> list[dict]:
+    """A cycle's metrics lines: each optimizer step's, with the cycle's `figures` (stage times, queue, workers: the
+    controller's), the lag of the batch's groups behind the version published after them (`staleness_hist`), the
+    rollout rates between the workers' snapshots `before` and `now`, the wasted fraction, the counters, the
+    episodes' metrics and the sampling times of the batch's groups (`metas`)."""
+    from tandem.rollout.episodes import episode_metrics
+
+    lags = Counter(version - 1 - m["version"] for m in metas)
+    extra = {**figures, "cluster/scale_events": counters["scale_events"],
+             "staleness_hist": {str(k): v for k, v in sorted(lags.items())},
+             **rollout_rates(before, now), "rollout/wasted_frac": wasted_frac(counters, now),
+             **{f"count/{k}": v for k, v in counters.items()},
+             **episode_metrics([m.get("episodes") for m in metas]), **sampling_times(metas, last_take)}
+    return [dict(s, **extra) for s in steps]
 
 
 def step_of(line: str) -> int | None:

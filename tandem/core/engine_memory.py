@@ -71,9 +71,9 @@ def oversample_prompts(cfg) -> int:
     None at max_staleness 0 (a synchronous cycle trains all it hands out), with in-flight updates (no group is
     stopped: cluster.inflight_updates), with tools (the bound lets out every
     episode the engine can hold already: `prompts_in_flight`), or on a CPU, whose engine has no plateau: each
-    sequence more slows the others, so the over-sampled prompts make every group slower to come back (on a 2-core
-    CPU the cpu_longtail bench at k = 1 with 12 over-sampled saw 10 of its 32 prompts go twice past the bound within
-    five cycles, and the run refused to go on; with 4, 0.8 x the completions a second: bench/results/pipeline_cpu.md)."""
+    sequence more slows the others, so the over-sampled prompts make every group slower to come back
+    (bench/results/pipeline_cpu.md: 12 over-sampled at k = 1 on a 2-core CPU sent 10 of 32 prompts twice past the bound
+    within five cycles; 4 gave 0.8 x the completions a second)."""
     c = cfg.cluster
     if c.rollout_oversample_prompts != "auto":
         return c.rollout_oversample_prompts

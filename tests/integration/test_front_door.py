@@ -188,7 +188,7 @@ def test_a_reward_of_the_wrong_shape_is_its_python_error_at_the_first_prompt(ray
         trainer.train()
     assert isinstance(e.value.__cause__, ActorTraceback) and "\x1b[" not in str(e.value.__cause__)
     cause = str(e.value.__cause__)  # the controller's frames down to where it stopped the job
-    assert cause.startswith("ray::Controller.step()") and "in _accept" in cause and "short_reward" in cause, cause
+    assert cause.startswith("ray::Controller.step()") and "in accept" in cause and "short_reward" in cause, cause
     assert not (tmp_path / "bad" / "failed_prompts.jsonl").is_file()
 
 

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from tandem.services.orchestrator.controller import Controller
+from tandem.services.orchestrator.controller import Controller, say
 from tests.helpers import ROOT, make_job
 from tests.helpers.learner import started
 
@@ -404,7 +404,8 @@ def test_an_evaluation_with_no_serving_worker_is_postponed_and_the_last_one_wait
     ray_session.kill(ctl.pool.slots[0].actor)
     ctl.pool._replace(0, RuntimeError("killed by the test"))  # what a poll does when it sees the death
     assert ctl.pool.serving() == []
-    r = ctl._evaluate(1)  # the cycle's evaluation as it would run with the only worker starting
+    r = ctl.evaluator.at(ctl.pool, ctl._serving, ctl.version, 1, ctl._done(), say)  # as the cycle would, the only
+    # worker starting
     assert r == {} and ctl.evaluator.postponed == 1
     assert "evaluation of step 1 is postponed: no rollout worker serves now" in capfd.readouterr().err
     steps = ctl.step()["steps"]  # the last cycle

@@ -302,7 +302,7 @@ def test_publishing_and_a_running_request(ray_session, hf, tiny_model, tmp_path,
     assert not ray_session.wait([early], timeout=0)[0], "started before the version it asked for was served"
     assert ray_session.get(w.set_adapter.remote(2, random_adapter(hf, seed=4))) == 2
     assert ray_session.get(early)[0].version == 2
-    # a training group's request (`rollout`) that can no longer be trained once version 3 is published (the job's
+    # a training group's request (`rollout`) that can never be trained once version 3 is published (the job's
     # max_staleness is 0) is stopped there, not run on to its 900 tokens; the engine samples on
     doomed, _ = w.rollout.options(num_returns=2).remote(it[0])
     in_engine(ray_session, w)

@@ -376,48 +376,48 @@ def test_failed_prompts_are_said_on_the_terminal_a_few_at_a_time(tmp_path, monke
 
 
 def test_a_group_past_the_bound_is_sampled_again_once_then_recorded_whether_stopped_or_dropped(job_files, tmp_path):
-    """The controller's two stale paths, a worker's RolloutFailure with stale_version (stopped mid-sampling) and a
+    """The intake's two stale paths, a worker's RolloutFailure with stale_version (stopped mid-sampling) and a
     buffered group past the bound (back too late), count as one: the prompt is held for the next publish, once in its
     epoch; the second time it is recorded as not trained (reason stale), said with what to change, and not held
     again; in the next epoch it starts afresh."""
     from tandem.core.config import JobConfig
     from tandem.core.protocol import PromptItem, RolloutFailure, group_meta
-    from tandem.services.orchestrator.controller import Controller
     from tandem.services.orchestrator.failures import FailureLog
+    from tandem.services.orchestrator.intake import Intake
 
-    ctl = Controller(JobConfig.from_dict({**job_files, "cluster": {"max_staleness": 1}}))
-    said = []
-    ctl.source, ctl.buffer = PromptSource(10, 0, shuffle=False), GroupBuffer(1, 10)
-    ctl.failures = FailureLog(tmp_path / "f.jsonl", ["r.py:f"], unique_prompts=2, rows=10, say=said.append)
-    ctl.log = RunLog(tmp_path / "metrics.jsonl", group_trace=True)
-    ctl.progress.version = 3
+    said, counters = [], Counter()
+    intake = Intake(JobConfig.from_dict({**job_files, "cluster": {"max_staleness": 1}}),
+                    PromptSource(10, 0, shuffle=False), GroupBuffer(1, 10),
+                    FailureLog(tmp_path / "f.jsonl", ["r.py:f"], unique_prompts=2, rows=10, say=said.append),
+                    RunLog(tmp_path / "metrics.jsonl", group_trace=True), counters)
+    V = 3  # the version served
     item = PromptItem(group_id=9, index=4, prompt_ids=np.array([1, 2], np.int32), prompt="p")
     stopped = group_meta(RolloutFailure(9, 4, "stopped", stale_version=1))
-    ctl._accept(item, stopped, None)  # row 4 stopped: handed out again
-    ctl.buffer.admit({"index": 5, "epoch": 0, "version": 1, "tokens": 40}, object())  # row 5 back too late: again
-    ctl.buffer.admit({"index": 6, "epoch": 0, "version": 2}, object())  # within the bound
-    ctl._requeue_stale()
-    assert list(ctl.source.held) == [(4, 0, 3), (5, 0, 3)] and not ctl.source.requeued  # held at version 3
-    assert ctl.buffer.pending() == [(6, 0)] and said == [] and ctl.failures.failed == []
-    ctl.buffer.admit({"index": 4, "epoch": 0, "version": 1, "tokens": 30}, object())  # row 4 again, too late: recorded
-    ctl._requeue_stale()
-    ctl._accept(PromptItem(10, 5, np.array([1], np.int32), "p"), stopped, None)  # row 5 again, stopped: recorded
-    assert list(ctl.source.held) == [(4, 0, 3), (5, 0, 3)] and not ctl.source.requeued
-    assert ctl.counters == {"stale_stopped": 2, "stale_dropped": 2, "stale_failed": 2, "stale_dropped_tokens": 70}
-    assert [(f["index"], f["epoch"], f["reason"]) for f in ctl.failures.failed] == [(4, 0, "stale"), (5, 0, "stale")]
+    intake.accept(item, stopped, None, V, all_taken=False)  # row 4 stopped: handed out again
+    intake.buffer.admit({"index": 5, "epoch": 0, "version": 1, "tokens": 40}, object())  # row 5 back too late: again
+    intake.buffer.admit({"index": 6, "epoch": 0, "version": 2}, object())  # within the bound
+    intake.drop_stale(V)
+    assert list(intake.source.held) == [(4, 0, 3), (5, 0, 3)] and not intake.source.requeued  # held at version 3
+    assert intake.buffer.pending() == [(6, 0)] and said == [] and intake.failures.failed == []
+    intake.buffer.admit({"index": 4, "epoch": 0, "version": 1, "tokens": 30}, object())  # row 4 again, too late: recorded
+    intake.drop_stale(V)
+    intake.accept(PromptItem(10, 5, np.array([1], np.int32), "p"), stopped, None, V, all_taken=False)  # row 5 again, stopped: recorded
+    assert list(intake.source.held) == [(4, 0, 3), (5, 0, 3)] and not intake.source.requeued
+    assert counters == {"stale_stopped": 2, "stale_dropped": 2, "stale_failed": 2, "stale_dropped_tokens": 70}
+    assert [(f["index"], f["epoch"], f["reason"]) for f in intake.failures.failed] == [(4, 0, "stale"), (5, 0, "stale")]
     assert said[0] == ("tandem: dataset row 4 (epoch 0) not trained on, stale: its group went past the staleness "
                        "bound a second time, 2 policy versions behind (cluster.max_staleness = 1): it takes longer to "
                        "sample and score than 2 cycles; sampled afresh in epoch 1; allowed: a larger "
                        "cluster.max_staleness, or a smaller generation.max_completion_length")
-    ctl._accept(PromptItem(11, 4, np.array([1], np.int32), "p", epoch=1), stopped, None)  # the next epoch: afresh
-    assert list(ctl.source.held)[-1] == (4, 1, 3) and len(ctl.failures.failed) == 2
-    ctl.log.flush_groups()  # logging.group_trace: each stop and drop, in order, with the version served then
+    intake.accept(PromptItem(11, 4, np.array([1], np.int32), "p", epoch=1), stopped, None, V, all_taken=False)  # the next epoch: afresh
+    assert list(intake.source.held)[-1] == (4, 1, 3) and len(intake.failures.failed) == 2
+    intake.log.flush_groups()  # logging.group_trace: each stop and drop, in order, with the version served then
     trace = [json.loads(x) for x in (tmp_path / "group_trace.jsonl").read_text().splitlines()]
     assert [(g["event"], g["index"], g["epoch"], g["version"], g["served"], g.get("tokens")) for g in trace] == [
         ("stopped", 4, 0, 1, 3, None), ("dropped", 5, 0, 1, 3, 40), ("dropped", 4, 0, 1, 3, 30),
         ("stopped", 5, 0, 1, 3, None), ("stopped", 4, 1, 1, 3, None)]
-    assert ctl.source.next(3) == (0, 0)  # the served version: still held
-    assert [ctl.source.next(4) for _ in range(3)] == [(4, 0), (5, 0), (4, 1)]  # a newer one: first
+    assert intake.source.next(3) == (0, 0)  # the served version: still held
+    assert [intake.source.next(4) for _ in range(3)] == [(4, 0), (5, 0), (4, 1)]  # a newer one: first
 
 
 def test_the_group_trace_is_written_with_each_steps_metrics_and_only_when_asked(tmp_path):
@@ -443,27 +443,27 @@ def test_prompts_stopped_past_the_bound_do_not_come_to_fill_the_engine(job_files
     (first in the queue) they came to fill the engine within a few cycles."""
     from tandem.core.config import JobConfig
     from tandem.core.protocol import PromptItem, RolloutFailure, group_meta
-    from tandem.services.orchestrator.controller import Controller
     from tandem.services.orchestrator.failures import FailureLog
+    from tandem.services.orchestrator.intake import Intake
 
-    ctl = Controller(JobConfig.from_dict({**job_files, "cluster": {"max_staleness": 1}}))
-    ctl.source = PromptSource(800, seed=2)
-    ctl.failures = FailureLog(tmp_path / "f.jsonl", ["r.py:f"], unique_prompts=16, rows=800)
-    ctl.progress.version = 5
+    source, counters = PromptSource(800, seed=2), Counter()
+    failures = FailureLog(tmp_path / "f.jsonl", ["r.py:f"], unique_prompts=16, rows=800)
+    intake = Intake(JobConfig.from_dict({**job_files, "cluster": {"max_staleness": 1}}), source, GroupBuffer(1, 800),
+                    failures, RunLog(tmp_path / "metrics.jsonl"), counters)
     handed, shares = Counter(), []
     for cycle in range(20):
-        ctl.progress.version = 5 + cycle  # each cycle publishes one
-        engine = [ctl.source.next(ctl.version) for _ in range(32)]
+        version = 5 + cycle  # each cycle publishes one
+        engine = [source.next(version) for _ in range(32)]
         handed.update(engine)
         long_rows = [(i, e) for i, e in engine if i % 8 == 0]
         shares.append(len(long_rows) / len(engine))
         for i, e in long_rows:
-            ctl._accept(PromptItem(cycle, i, np.array([1], np.int32), "p", epoch=e),
-                        group_meta(RolloutFailure(cycle, i, "stopped", stale_version=3)), None)
+            intake.accept(PromptItem(cycle, i, np.array([1], np.int32), "p", epoch=e),
+                          group_meta(RolloutFailure(cycle, i, "stopped", stale_version=3)), None, version, False)
     assert max(handed[p] for p in handed if p[0] % 8 == 0) == 2 and np.mean(shares[10:]) < 0.3, shares
     twice = sorted(p for p in handed if handed[p] == 2)
-    assert sorted((f["index"], f["epoch"]) for f in ctl.failures.failed) == twice and len(twice) > 20
-    assert ctl.counters["stale_failed"] == len(twice)
+    assert sorted((f["index"], f["epoch"]) for f in failures.failed) == twice and len(twice) > 20
+    assert counters["stale_failed"] == len(twice)
 
 
 def test_a_prompt_past_the_bound_waits_for_the_next_publish_and_then_goes_first():

@@ -9,7 +9,7 @@ import tomllib
 import yaml
 
 from tandem.core.config import ClusterConfig
-from tandem.services.orchestrator.controller import EXPORTED, series_name
+from tandem.services.orchestrator.run_log import EXPORTED, series_name
 from tests.helpers import ROOT
 
 DEPLOY = ROOT / "deploy"

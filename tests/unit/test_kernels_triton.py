@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tandem.kernels import triton_logprobs as tk
-from tandem.kernels.logprobs import grpo_token_terms, selective_logprobs_reference
-from tandem.learner.grpo import aggregate_loss, per_token_loss, tis_weight, token_weights
+from tandem.kernels.logprobs import selective_logprobs_reference
+from tandem.learner.grpo import aggregate_loss, grpo_token_terms, per_token_loss, tis_weight, token_weights
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -342,7 +342,7 @@ def test_real_size_in_kernel_grpo_loss(seed, epilogue):
 
 def test_in_kernel_on_policy_equals_reference_path(seed):
     """old_logp=None (ratio 1, TRL's single-iteration case) with TIS and KL: the kernel against the
-    PyTorch reference path (kernels.logprobs.linear_logprobs_loss_reference + grpo_token_terms)."""
+    PyTorch reference path (kernels.logprobs.linear_logprobs_loss_reference + learner.grpo.grpo_token_terms)."""
     from tandem.kernels.logprobs import linear_logprobs_loss_reference
 
     N, H, V = 29, 16, 90
@@ -367,7 +367,7 @@ def test_in_kernel_tis_from_logp_equals_the_weight_taken_first(seed, dtype, mode
     loss, log-probs and gradients of the same kernel handed learner.grpo.tis_weight of those log-probs; the
     PyTorch reference path the same. Masked tokens carry NaN sampler log-probs; tokens fall on both sides of the
     cap (1.3) and of clip_min."""
-    from tandem.kernels.logprobs import TisFromLogp, linear_grpo_loss_reference
+    from tandem.kernels.logprobs import TisFromLogp, linear_logprobs_loss_reference
 
     B, T, H, V = 3, 11, 16, 296
     h, w, ids = _linear_case(B * T, H, V, dtype)
@@ -401,9 +401,9 @@ def test_in_kernel_tis_from_logp_equals_the_weight_taken_first(seed, dtype, mode
     # the reference path: float64, its own log-probs; tokens at a bound's edge may fall either way, so no mask mode
     if mode == "token_truncate":
         h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-        ref, _, _ = linear_grpo_loss_reference(h64, w64, ids, None, adv.double(), wts.double(), temperature=0.9,
-                                               chunk=8, tis_from=TisFromLogp(sampler.reshape(-1).double(), 1.3,
-                                                                             clip_min, mode))
+        terms = grpo_token_terms(None, adv.double(), wts.double(),
+                                 tis_from=TisFromLogp(sampler.reshape(-1).double(), 1.3, clip_min, mode))
+        ref, _, _ = linear_logprobs_loss_reference(h64, w64, ids, terms, temperature=0.9, chunk=8)
         ref.backward()
         assert abs(ref.item() - l2.item()) <= 1e-4 * max(1.0, abs(ref.item())) + (0 if dtype == torch.float32
                                                                                      else 2e-3), f"seed {seed}"

@@ -29,7 +29,7 @@ def test_free_port_never_hands_out_a_port_twice():
 
 
 def test_stop_kills_what_a_failed_node_start_left_behind():
-    """A `ray start` that exits (its raylet timed out registering) leaves its processes running, no longer its
+    """A `ray start` that exits (its raylet timed out registering) leaves its processes running, not its
     children: stop finds them by the node's temporary directory on their command lines, and nothing else."""
     import subprocess
     import sys

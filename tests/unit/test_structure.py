@@ -13,6 +13,7 @@ from tests.helpers import ROOT
 FOLDERS = ("tandem", "services", "learner", "rollout", "kernels")
 MAX_ATTRIBUTES = 18
 SMALLER = {"Learner": 15, "Controller": 15}
+MAX_LINES = {"Controller": 400}  # the cycle read top to bottom (docs/grpo.md §3), its parts in modules of their own
 
 
 def class_attributes(tree: ast.Module) -> dict[str, set[str]]:
@@ -71,3 +72,22 @@ def test_a_class_past_its_share_is_named(tmp_path, source, expect):
     (tmp_path / "learner" / "big.py").write_text(source)
     found = oversized(tmp_path)
     assert len(found) == 1 and expect in found[0], found
+
+
+def overlong_classes(root: Path) -> list[str]:
+    out = []
+    for folder in FOLDERS:
+        for f in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.ClassDef) and node.name in MAX_LINES:
+                    n = node.end_lineno - node.lineno + 1
+                    if n > MAX_LINES[node.name]:
+                        out.append(f"{f.relative_to(root)}: {node.name} spans {n} lines (at most {MAX_LINES[node.name]})")
+    return out
+
+
+def test_the_controller_stays_short(tmp_path):
+    assert overlong_classes(ROOT) == []
+    (tmp_path / "services").mkdir()
+    (tmp_path / "services" / "c.py").write_text("class Controller:\n" + "    x = 1\n" * 400)
+    assert overlong_classes(tmp_path) == ["services/" "c.py: Controller spans 401 lines (at most 400)"]

@@ -65,7 +65,7 @@ def test_copy_to_cpu_from_the_gpu_is_one_transfer_per_dtype_and_exact():
 
 def test_the_published_adapter_is_peft_s_state_dict_and_the_base_config_is_read_once(tmp_path):
     """Each cycle's export is exactly peft's `get_peft_model_state_dict` (with the embedding layers where LoRA
-    targets them), and after the first it no longer reads the base model's config: peft's default looks for a resized
+    targets them), and after the first it does not read the base model's config: peft's default looks for a resized
     vocabulary every call, and with the config gone it would warn (or ask the Hub)."""
     import warnings
 

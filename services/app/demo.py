@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-DEMO_MARK = "<!-- the demo's output, written by: python -m tandem.services.devtools.demo examples/sevens.yaml --readme README.md -->"
+DEMO_MARK = "<!-- the demo's output, written by: python -m tandem.services.app.demo examples/sevens.yaml --readme README.md -->"
 SUMMARY = ("reward:", "eval reward:", "steps:", "metrics:", "adapter:", "model:", "demo:")
 
 
