@@ -23,17 +23,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
-import e2e  # noqa: E402 - the end-to-end benchmark's runners and samplers
+import e2e_table  # noqa: E402
+import machine  # noqa: E402
+import tandem_candidates  # noqa: E402
+import trl_candidates  # noqa: E402
+import workloads  # noqa: E402
 
 TASK = f"{ROOT}/bench/agentic_task.py"
 WORKLOADS = {
-    "gpu": dict(model=dict(layers=24, hidden=896, heads=14, kv_heads=2, intermediate=4864, vocab=151936, tie=True,
-                           dtype="bfloat16"),
+    "gpu": dict(model=workloads.SHAPES["0.5b"],
                 lora=dict(r=16, lora_alpha=32), prompts=16, num_generations=8, max_tokens=320, per_device=32,
                 ga=4, steps=6, warmup=2, lr=1e-5, max_iterations=4, sft_steps=400, sft_batch=16, sft_lr=3e-4),
-    "cpu": dict(model=dict(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=512, tie=False,
-                           dtype="float32"),
-                lora=dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "cpu": dict(model=workloads.SHAPES["tiny"],
+                lora=workloads.TINY_LORA,
                 prompts=2, num_generations=8, max_tokens=200, per_device=16, ga=1, steps=4, warmup=1, lr=1e-4,
                 max_iterations=4, sft_steps=120, sft_batch=8, sft_lr=3e-3),
 }
@@ -145,7 +147,7 @@ def tandem_job(paths, wl, k, args, mode="server"):
         "generation": {"temperature": 1.0, "max_prompt_length": 768, "max_completion_length": wl["max_tokens"],
                        "max_tool_calling_iterations": wl["max_iterations"]},
         "batch": {"per_device_train_batch_size": wl["per_device"], "gradient_accumulation_steps": wl["ga"],
-                  "num_generations": wl["num_generations"], "max_steps": wl["steps"] + wl["warmup"] + e2e.END_STEPS},
+                  "num_generations": wl["num_generations"], "max_steps": wl["steps"] + wl["warmup"] + tandem_candidates.END_STEPS},
         "grpo": {"loss_type": "dapo", "beta": 0.0},
         "optimizer": {"learning_rate": wl["lr"], "lr_scheduler_type": "constant"},
         "cluster": {"num_rollout_workers": 1, "max_staleness": k, "vllm_mode": mode,
@@ -160,10 +162,10 @@ def tandem_job(paths, wl, k, args, mode="server"):
 def run(candidate: str, paths, wl, args) -> dict:
     if candidate.startswith("tandem_k"):
         k, _, mode = candidate.removeprefix("tandem_k").partition("_")
-        return e2e.measure_tandem(tandem_job(paths, wl, int(k), args, mode or "server"), wl, args.workload == "gpu")
+        return tandem_candidates.measure_tandem(tandem_job(paths, wl, int(k), args, mode or "server"), wl, args.workload == "gpu")
     from agentic_task import add, correct_sum
 
-    runner = e2e.run_trl_async if candidate == "trl_async" else e2e.run_trl  # TRL's asynchronous trainer, or its own
+    runner = trl_candidates.run_trl_async if candidate == "trl_async" else trl_candidates.run_trl  # TRL's asynchronous trainer, or its own
     return runner(paths, wl, args, reward=correct_sum, tools=[add], max_tool_calling_iterations=wl["max_iterations"])
 
 
@@ -215,14 +217,14 @@ def main():
     if a.cmd == "table":
         print(table(Path(a.out)))
         return
-    a.dir, a.json = e2e.use_this_checkout(a.dir, a.json)
-    wl = e2e.workload(WORKLOADS, a.workload, a.set)
+    a.dir, a.json = workloads.use_this_checkout(a.dir, a.json)
+    wl = workloads.workload(WORKLOADS, a.workload, a.set)
     paths = prepare(Path(a.dir), wl)
     if a.cmd == "prepare":
         return
-    machine = e2e.host_state()
+    host = machine.host_state()
     res = run(a.candidate, paths, wl, a)
-    res.update(candidate=a.candidate, workload=a.workload, versions=e2e.versions(), wl=wl, host=machine)
+    res.update(candidate=a.candidate, workload=a.workload, versions=e2e_table.versions(), wl=wl, host=host)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(res, indent=1))
     print(json.dumps({k: res.get(k) for k in KEYS + ("reward_first", "reward_last", "launch_to_first_step_s", "host")}),

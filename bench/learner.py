@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent)]
-import e2e  # noqa: E402 - the workload (model, job) of the end-to-end benchmark
+import tandem_candidates  # noqa: E402
+import workloads  # noqa: E402
 
 
 def generation_batch(n: int, wl, vocab: int, seed: int = 0):
@@ -65,7 +66,7 @@ def long_tail_batch(n: int, wl, vocab: int, seed: int = 0):
     p = 1 - 0.5 ** (1 / max(cap / lt.get("median_div", 7), 1))
     out = []
     for i in range(n):
-        long = e2e.long_prompt(i, wl)  # a long prompt's group runs to the cap
+        long = workloads.long_prompt(i, wl)  # a long prompt's group runs to the cap
         lens = [cap if long or rng.random() < lt["long_frac"] else min(int(rng.geometric(p)), cap) for _ in range(G)]
         t, off = pack_completions([rng.integers(3, vocab, size=n_).astype(np.int32) for n_ in lens])
         out.append(RolloutGroup(
@@ -84,7 +85,7 @@ def layouts(a, wl):
     from tandem.learner.actor import Learner
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    paths = e2e.prepare(Path(a.dir), {k: v for k, v in wl.items() if k != "longtail"})  # lengths made here
+    paths = workloads.prepare(Path(a.dir), {k: v for k, v in wl.items() if k != "longtail"})  # lengths made here
     rows, lr = [], None
     for spec in a.layouts.split(","):
         parts = spec.split(":")
@@ -96,7 +97,7 @@ def layouts(a, wl):
              "use_liger_kernel": {"on": True, "off": False, "auto": "auto"}[liger]}
         args = argparse.Namespace(workload=a.workload, rollout_gpus=0.0, learner_gpus=1.0, vllm_memory=0.3,
                                   dir=a.dir)
-        lr = Learner(e2e.tandem_config(paths, w, 0, args), total_steps=1000)
+        lr = Learner(tandem_candidates.tandem_config(paths, w, 0, args), total_steps=1000)
         lr.setup()
         readbacks(lr, reads)
         groups = long_tail_batch(lr.plan.unique_prompts, wl, wl["model"]["vocab"])
@@ -210,7 +211,7 @@ def profiled(lr, groups, sync):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workload", default="gpu", choices=list(e2e.WORKLOADS))
+    ap.add_argument("--workload", default="gpu", choices=list(workloads.WORKLOADS))
     ap.add_argument("--dir", default="/tmp/tandem-e2e")
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--no-profile", action="store_true")
@@ -218,7 +219,7 @@ def main():
     a = ap.parse_args()
     import torch
 
-    wl = e2e.WORKLOADS[a.workload]
+    wl = workloads.WORKLOADS[a.workload]
     if wl.get("longtail") or a.workload == "7b":
         lr, groups = layouts(a, wl)
         if not a.no_profile:
@@ -227,9 +228,9 @@ def main():
 
     from tandem.learner.actor import Learner
 
-    paths = e2e.prepare(Path(a.dir), wl)
+    paths = workloads.prepare(Path(a.dir), wl)
     args = argparse.Namespace(workload=a.workload, rollout_gpus=0.0, learner_gpus=1.0, vllm_memory=0.3, dir=a.dir)
-    cfg = e2e.tandem_config(paths, wl, 0, args)
+    cfg = tandem_candidates.tandem_config(paths, wl, 0, args)
     lr = Learner(cfg, total_steps=1000)
     t0 = time.time()
     lr.setup()

@@ -25,22 +25,23 @@ import time
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent)]
-import e2e  # noqa: E402 - the workload (model, prompts, job) of the end-to-end benchmark
+import tandem_candidates  # noqa: E402
+import workloads  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workload", default="gpu", choices=list(e2e.WORKLOADS))
+    ap.add_argument("--workload", default="gpu", choices=list(workloads.WORKLOADS))
     ap.add_argument("--dir", default="/tmp/tandem-rollout")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--vllm-memory", type=float, default=0.3)
     a = ap.parse_args()
     a.rollout_gpus = a.learner_gpus = 0.4 if a.workload == "gpu" else 0
-    wl = dict(e2e.WORKLOADS[a.workload])
+    wl = dict(workloads.WORKLOADS[a.workload])
     P = wl["prompts"] if a.workload == "gpu" else 16
     wl["prompts"] = P
-    paths = e2e.prepare(Path(a.dir), wl)
-    cfg = e2e.tandem_config(paths, wl, 1, a)
+    paths = workloads.prepare(Path(a.dir), wl)
+    cfg = tandem_candidates.tandem_config(paths, wl, 1, a)
 
     from transformers import AutoTokenizer
 

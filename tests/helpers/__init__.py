@@ -15,6 +15,7 @@ def bench_script(name: str):
     spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     path = list(sys.path)
+    sys.path.insert(0, str(ROOT / "bench"))  # the script's own modules (bench/workloads.py, ...)
     try:
         spec.loader.exec_module(mod)
     finally:

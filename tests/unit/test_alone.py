@@ -37,7 +37,7 @@ def marked_alone(source: str) -> set[str]:
     ("def test_b(ray_head, tmp_path):\n    pass\n", {"test_b"}),
     ("def test_c(ray_session):\n    x = unmapped_semaphores\n", {"test_c"}),
     ("def test_d(ray_session):\n    pass\ndef helper():\n    shm_entries()\n", set()),
-    ("def test_e(e2e):\n    state = e2e.host_state(sample_s=0.5)\n", {"test_e"}),
+    ("def test_e(machine):\n    state = machine.host_state(sample_s=0.5)\n", {"test_e"}),
 ])
 def test_what_must_run_alone_is_found(source, expect):
     assert must_run_alone(source) == expect

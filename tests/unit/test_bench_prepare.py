@@ -14,9 +14,9 @@ DRIVER = """
 import json, sys
 from pathlib import Path
 sys.path[:0] = [{bench!r}]
-import e2e
-wl = e2e.workload(e2e.WORKLOADS, "cpu", [])
-paths = e2e.prepare(Path({work!r}), wl)
+import workloads
+wl = workloads.workload(workloads.WORKLOADS, "cpu", [])
+paths = workloads.prepare(Path({work!r}), wl)
 import torch
 print(json.dumps({{"paths": paths, "transformers": "transformers" in sys.modules,
                   "cuda_context": torch.cuda.is_initialized()}}))

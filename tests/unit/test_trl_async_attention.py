@@ -66,17 +66,17 @@ def test_the_cpu_path_masks_as_flash_attention_does(causal, window):
 def test_trls_tree_attention_runs_on_the_stand_in_through_the_kernels_package(monkeypatch):
     sys.path.insert(0, str(ROOT / "bench"))
     try:
-        import e2e
+        import trl_candidates
     finally:
         sys.path.remove(str(ROOT / "bench"))
-    monkeypatch.setenv("LOCAL_KERNELS", f"{e2e.FA3_REPO}={e2e.TRL_ASYNC_ATTENTION}")
+    monkeypatch.setenv("LOCAL_KERNELS", f"{trl_candidates.FA3_REPO}={trl_candidates.TRL_ASYNC_ATTENTION}")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-    e2e.hf_kernels()
+    trl_candidates.hf_kernels()
     from trl.experimental.async_grpo import packing
 
     packing._flash_attn.cache_clear()
-    assert e2e.trl_async_blocker() is None
+    assert trl_candidates.trl_async_blocker() is None
     assert packing._flash_attn().__file__ == str(STAND_IN / "flash_attn3" / "__init__.py")
     # two packed rows, the second a branch whose keys are a shared prefix's (index 0-2) and its own (5-6)
     q, k, v, _, _ = packed(1, [5, 2], [5, 2])
