@@ -130,11 +130,14 @@ class Learner:
         return self.layout.token_budget
 
     def placement(self) -> dict:
-        """Where Ray put this rank (before setup): its node and the GPU ids it was given."""
+        """Where Ray put this rank (before setup): its node (Ray's id, host name, address) and the GPU ids it was
+        given."""
+        import socket
+
         import ray
 
-        return {"rank": self.rank, "node": ray.get_runtime_context().get_node_id(),
-                "gpus": [str(g) for g in ray.get_gpu_ids()]}
+        return {"rank": self.rank, "node": ray.get_runtime_context().get_node_id(), "host": socket.gethostname(),
+                "ip": ray.util.get_node_ip_address(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0, before any rank's setup(): opens the group's store on this node. -> (this node's address, the

@@ -55,6 +55,19 @@ class LearnerActor:
         self.learner = Learner(*args)
 
 
+def death_cause(error) -> str:
+    """A Ray actor's death in a few words, from Ray's exception and message."""
+    text = str(error)
+    low = text.lower()
+    if type(error).__name__ in ("ActorUnavailableError", "GetTimeoutError") or "is unavailable" in low:
+        return "unreachable: its node or process does not answer"
+    if any(s in low for s in ("node has died", "node died", "node is dead", "node was terminated")):
+        return "its node died"
+    if any(s in low for s in ("process has died", "killed", "sigkill", "exited", "died unexpectedly")):
+        return "its process died"
+    return text.strip().splitlines()[0][:80] if text.strip() else type(error).__name__
+
+
 class LearnerGroup:
     def __init__(self, cfg, total_steps: int, optimizer=None, probe: str | None = None, wait: bool = True,
                  actor_class=None, prefix: str = ""):
@@ -71,7 +84,7 @@ class LearnerGroup:
         # rank 0 opens the group's store on its own node; Ray hands each setup the address once it exists
         address = self._method(self.actors[0], "rendezvous").remote()
         self._setup = [self._method(a, "setup").remote(address) for a in self.actors]
-        self._cfg = cfg
+        self._cfg, self.placements = cfg, None  # placements: each rank's node, once ready
         if wait:
             self.ready()
 
@@ -83,8 +96,29 @@ class LearnerGroup:
 
         from tandem.core.checks import raise_if, shared_gpu_error
 
-        raise_if([shared_gpu_error(self._cfg, ray.get(self._placed))])  # before NCCL fails on it, obscurely
+        self.placements = ray.get(self._placed)
+        raise_if([shared_gpu_error(self._cfg, self.placements)])  # before NCCL fails on it, obscurely
         ray.get(self._setup)
+
+    def lost(self, error, patience_s: float = 10.0) -> str | None:
+        """The line that names a lost rank where `error` (a RayActorError, or an object its owner took with it) is
+        this group's: the rank whose actor it names, or else the first rank that does not answer within patience_s.
+        -> `learner rank R on node HOST (IP, Ray node ID) lost (CAUSE)`, or None (every rank answers)."""
+        import ray
+
+        ids = [a._actor_id.hex() for a in self.actors]
+        rank = ids.index(error.actor_id) if getattr(error, "actor_id", None) in ids else None
+        for r, a in enumerate(self.actors if rank is None else ()):
+            try:
+                ray.get(a.__ray_ready__.remote(), timeout=patience_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                rank, error = r, e
+                break
+        if rank is None:
+            return None
+        p = self.placements[rank] if self.placements else {}
+        return (f"learner rank {rank} on node {p.get('host', '?')} ({p.get('ip', '?')}, Ray node "
+                f"{str(p.get('node', '?'))[:12]}) lost ({death_cause(error)})")
 
     def _all(self, method: str, *args):
         import ray

@@ -4,6 +4,7 @@
 
 from tandem.core.errors import (
     JobConfigError,
+    LearnerLost,
     RewardContractError,
     RewardError,
     TandemError,
@@ -11,7 +12,7 @@ from tandem.core.errors import (
     TrainingError,
 )
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "JobConfigError", "RewardContractError", "RewardError", "TandemError",
+__all__ = ["GRPOConfig", "GRPOTrainer", "JobConfigError", "LearnerLost", "RewardContractError", "RewardError", "TandemError",
            "ToolError", "TrainingError"]
 
 

@@ -216,7 +216,7 @@ def cmd_status(args) -> int:
 def cmd_export(args) -> int:
     from tandem.services.app.export import export_merged
 
-    dst = export_merged(args.source, args.merged, args.dtype)
+    dst = export_merged(args.source, args.merged, args.dtype, args.base)
     print(f"wrote a merged transformers model to {dst} (load with AutoModelForCausalLM.from_pretrained or vLLM)")
     return 0
 
@@ -291,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--merged", required=True, metavar="DIR", help="where the merged model directory goes")
     se.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                     help="dtype of the merged weights (default: the base model's)")
+    se.add_argument("--base", default=None, metavar="MODEL",
+                    help="the base model here, where the one the adapter records is not reachable from this machine")
     se.set_defaults(fn=cmd_export)
 
     st = sub.add_parser("tiny-model", help="write a tiny random-init model + local tokenizer")

@@ -35,10 +35,12 @@ def stored_adapter(source: str, local: Path) -> Path:
     return local
 
 
-def export_merged(source: str, out: str, dtype: str | None = None) -> Path:
+def export_merged(source: str, out: str, dtype: str | None = None, base: str | None = None) -> Path:
+    """base: the base model here (a directory or a Hub id in this machine's cache), where the one the adapter
+    records (adapter_config.json's base_model_name_or_path: the model as the job named it) is not reachable."""
     if is_uri(source):
         with tempfile.TemporaryDirectory(prefix="tandem-adapter-") as tmp:
-            return export_merged(str(stored_adapter(source, Path(tmp))), out, dtype)
+            return export_merged(str(stored_adapter(source, Path(tmp))), out, dtype, base)
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -48,10 +50,13 @@ def export_merged(source: str, out: str, dtype: str | None = None) -> Path:
     except FileNotFoundError as e:
         raise JobConfigError(f"tandem export: {e}") from None
     conf = json.loads((adapter / "adapter_config.json").read_text())
-    base_path = model_dir(conf["base_model_name_or_path"], conf.get("revision"))  # a Hub id: this machine's cache
+    named = base or conf["base_model_name_or_path"]
+    base_path = model_dir(named, None if base else conf.get("revision"))  # a Hub id: this machine's cache
     if not (Path(base_path) / "config.json").is_file():
-        raise JobConfigError(f"tandem export: the adapter's base model {base_path!r} (adapter_config.json) is not "
-                             "a model directory on this machine")
+        where = f"--base {base!r}" if base else f"the adapter's base model {base_path!r} (adapter_config.json)"
+        raise JobConfigError(f"tandem export: {where} is not a model directory on this machine; allowed: --base "
+                             "naming the base model here (a directory with its config.json, or a Hub id in this "
+                             "machine's cache)")
     kw = {"dtype": getattr(torch, dtype)} if dtype else {"dtype": "auto"}
     base = AutoModelForCausalLM.from_pretrained(base_path, **kw)
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()

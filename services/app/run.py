@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from tandem.core.adapter import ADAPTER_DIR
+from tandem.core.errors import LearnerLost
 
 # The embedded Ray's GCS address, in the run directory: `tandem scale` / `status` without --address find the job's
 # own Ray by it. Ray's "auto" connects to any Ray on the machine when there are several (two embedded jobs, a
@@ -415,7 +416,7 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float, datasets: dict 
                 r = step_saying_why(ray, ctl, bar, out)  # saves when checkpoint.save_steps says so
             # the controller or the learner died; or the owner of an object in flight did: the learner's published
             # adapter, which a replacement rollout worker loads (vllm_mode colocate: worker 0 dies with the learner)
-            except (ray.exceptions.RayActorError, ray.exceptions.OwnerDiedError) as e:
+            except (ray.exceptions.RayActorError, ray.exceptions.OwnerDiedError, LearnerLost) as e:
                 restarts += 1
                 ctl = restart_job(ray, cfg, ctl, e, restarts, out, wait_s, datasets)
                 bar.n = ray.get(ctl.__ray_call__.remote(lambda self: self.cycle))
@@ -539,11 +540,15 @@ def restart_job(ray, cfg, ctl, error, restarts: int, out, resource_wait_s: float
     """A dead learner rank or controller: the job starts again from its newest complete checkpoint (the
     prompts after it are handed out again, their metrics lines cut), at most cluster.max_restarts times.
     The learner and the rollout workers are the controller's actors: they go with it. -> the new one."""
+    from tandem.services.orchestrator.checkpointer import Checkpointer
+
     reason = one_line(error)[:300]
     if restarts > cfg.cluster.max_restarts:
         raise RuntimeError(f"the job died {restarts} times (cluster.max_restarts = {cfg.cluster.max_restarts}); "
                            f"last: {reason}") from error
-    print(f"tandem: {reason}; restart {restarts} of {cfg.cluster.max_restarts} from the newest checkpoint", file=out)
+    newest = Checkpointer(cfg).latest()
+    print(f"tandem: {reason}; restart {restarts} of {cfg.cluster.max_restarts} from "
+          f"{newest if newest is not None else 'the start (no checkpoint yet)'}", file=out)
     stop_controller(ray, ctl)  # start_controller waits for its name to be free
     again = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"resume": True})})
     ctl = start_controller(ray, again, resource_wait_s, out, datasets)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from tandem.core.engine_memory import oversample_prompts, token_lag_bound
+from tandem.core.errors import LearnerLost
 from tandem.core.plan import BatchPlan
 from tandem.core.protocol import errors_as_text
 from tandem.core.storage import run_mirror
@@ -226,7 +227,13 @@ class Controller:
         """One generation cycle: collect unique_prompts fresh groups (or take the batch already training), train on
         them, publish the adapter, record the metrics (and evaluate, and save, when due). With max_staleness >= 1
         the next batch starts training as soon as this one is trained (services/orchestrator/pipeline.py)."""
-        return self._cycle(ahead=True)
+        try:
+            return self._cycle(ahead=True)
+        except (self.pool.ray.exceptions.RayActorError, self.pool.ray.exceptions.OwnerDiedError) as e:
+            # a learner rank lost (or an object it owned, the adapter it published): said by rank and node
+            if line := self.learner.lost(e):
+                raise LearnerLost(line) from e
+            raise
 
     def _cycle(self, ahead: bool) -> dict:
         self._evaluate_on_start()

@@ -31,3 +31,9 @@ class ToolError(TandemError, RuntimeError):
 
 class TrainingError(TandemError, RuntimeError):
     """The job failed while training: a learner or worker error, too many failed prompts, the restarts spent."""
+
+
+class LearnerLost(TrainingError):
+    """A learner rank's actor died or cannot be reached (its process or its node lost): the message names the rank,
+    its node (host, address, Ray node id) and the cause in a few words. The job restarts from its newest
+    checkpoint (cluster.max_restarts)."""

@@ -2,6 +2,7 @@
 `tandem export --merged` gives a plain transformers model; all three score completions as the learner does."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -55,6 +56,7 @@ def test_adapter_loads_in_peft_and_vllm_and_merges(ray_session, tiny_model, tmp_
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tandem.core.config import JobConfigError
     from tandem.services.app.export import export_merged
     from tandem.services.app.run import publish_artifact
 
@@ -90,6 +92,18 @@ def test_adapter_loads_in_peft_and_vllm_and_merges(ray_session, tiny_model, tmp_
     got = [seq_logprobs(plain_model, p, c) for p, c in seqs]
     assert max(np.abs(a - b).max() for a, b in zip(ours, got)) <= TOL
     assert (merged / "tokenizer_config.json").is_file()
+
+    # on a machine that never saw the job's model (the recorded base unreachable): refused naming --base, then with it
+    moved = tmp_path / "elsewhere" / "adapter"
+    shutil.copytree(adapter, moved)
+    conf["base_model_name_or_path"] = "/no/such/machine/runs/model"
+    (moved / "adapter_config.json").write_text(json.dumps(conf))
+    with pytest.raises(JobConfigError, match=r"'/no/such/machine/runs/model' \(adapter_config.json\) is not a model "
+                                             r"directory on this machine; allowed: --base"):
+        export_merged(str(moved), str(tmp_path / "merged2"))
+    merged2 = export_merged(str(moved), str(tmp_path / "merged2"), base=str(tiny_model))
+    got = [seq_logprobs(AutoModelForCausalLM.from_pretrained(merged2, dtype=torch.float32).eval(), p, c) for p, c in seqs]
+    assert max(np.abs(a - b).max() for a, b in zip(ours, got)) <= TOL
 
     # the end of a run: the final checkpoint's adapter also at <output_dir>/adapter, with the model's tokenizer
     run = cfg.model_copy(update={"logging": cfg.logging.model_copy(update={"output_dir": str(tmp_path / "run")})})

@@ -206,7 +206,8 @@ def test_every_death_on_a_ray_start_cluster_is_survived_and_sigterm_saves_within
                  and newest_checkpoint_step(tmp_path / "run") >= s, "a checkpoint after the worker's replacement")
         kill("Learner")
         # after the resume: before it, the old controller is still shutting down, and lines past the checkpoint remain
-        wait(lambda: said("restart 1 of 2") and resumed() >= 1 and len(lines(metrics)) >= 6,
+        wait(lambda: said("tandem: learner rank 0 on node ") and said("; restart 1 of 2 from ") and resumed() >= 1
+             and len(lines(metrics)) >= 6,
              "step 6 after the learner's death")
         kill("Controller")
         wait(lambda: said("restart 2 of 2") and resumed() >= 2 and len(lines(metrics)) >= 8,

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -134,7 +135,11 @@ def test_a_run_in_a_bucket_survives_the_loss_of_its_learners_node_and_exports_fr
         stop([*nodes, head])
     out = "".join(text)
     assert rc == 0, out[-4000:]
-    assert "restart 1 of 3 from the newest checkpoint" in out, out[-4000:]
+    # the lost learner said by its rank and node, and the checkpoint the job restarts from
+    said = re.search(r"tandem: learner rank 0 on node \S+ \((\S+), Ray node [0-9a-f]{12}\) lost \(([^)]*)\); restart 1 of 3 "
+                     r"from (\S+)\n", out)
+    assert said and said[2] in ("its node died", "its process died", "unreachable: its node or process does not answer") \
+        and said[3].startswith(f"{uri}/checkpoints/cycle-"), out[-4000:]
     assert f"resumed from checkpoint: {uri}/checkpoints/cycle-" in out, out[-4000:]
     files = bucket_files(s3, "jobs/run/")
     steps = [json.loads(x)["step"] for x in files["metrics.jsonl"].decode().splitlines()]
