@@ -16,7 +16,7 @@ import torch
 
 from tandem.core.adapter import ADAPTER_DIR, write_peft_adapter
 from tandem.core.hub import is_hub_id
-from tandem.core.storage import Store, first_line, is_uri, staging_dir
+from tandem.core.storage import Store, as_named, first_line, is_uri, staging_dir
 from tandem.learner.model import base_model
 from tandem.learner.safe_load import CheckpointRefused, CheckpointWriteError
 
@@ -93,7 +93,7 @@ def save_artifact(learner, directory: Path) -> None:
     cfg = learner.cfg
     if cfg.model.lora is not None:
         m = cfg.model  # a Hub id stays the base's name (as peft writes it), a local path is made absolute
-        base = m.path if is_hub_id(m.path) or is_uri(m.path) else str(Path(m.path).resolve())
+        base = m.path if is_hub_id(m.path) or is_uri(m.path) else as_named(m.path)
         write_peft_adapter(directory / ADAPTER_DIR, sd, m.lora, base, m.revision)
         return
     from transformers import AutoTokenizer

@@ -123,7 +123,8 @@ def cmd_submit(args) -> int:
         return 0
     stage = upload.stage() if upload is not None else None
     try:
-        client, job_id = submit_job(job, args.set, args.address, stage)
+        client, job_id = submit_job(job, args.set, args.address, stage,
+                                    source_dir=str(upload.root) if upload is not None else None)
     except TimeoutError as e:
         print(f"tandem submit: the Jobs API at {args.address or 'this machine'} did not take the job: {e}",
               file=sys.stderr)

@@ -219,7 +219,7 @@ def connect_controller(output_dir: str, address: str | None):
 
 
 def submit_job(job: str, overrides: list[str], address: str | None, working_dir: str | None,
-               patience_s: float = 180.0) -> tuple:
+               patience_s: float = 180.0, source_dir: str | None = None) -> tuple:
     """`tandem run` of this job file as a Ray job (Jobs API of the cluster's dashboard at `address`;
     None: RAY_ADDRESS or this machine). working_dir (services/app/upload.py stages what is sent) is uploaded and
     becomes the job's working directory, so the job file and its relative paths must lie inside it. A head that has just
@@ -231,6 +231,8 @@ def submit_job(job: str, overrides: list[str], address: str | None, working_dir:
 
     entry = ["python", "-m", "tandem.services.app.cli", "run", job, "--address", "auto"]
     runtime_env = {"working_dir": working_dir} if working_dir else None
+    if runtime_env and source_dir:  # what the run records names the user's files, not Ray's copy (storage.as_named)
+        runtime_env["env_vars"] = {"TANDEM_SOURCE_DIR": str(Path(source_dir).absolute())}
     for item in overrides:
         entry += ["--set", item]
     token = cluster_token()  # sent as Ray's own clients send it; ignored by a cluster without token auth

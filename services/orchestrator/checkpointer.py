@@ -14,7 +14,7 @@ import zipfile
 from pathlib import Path
 
 from tandem.core.config import JobConfigError
-from tandem.core.storage import Location, Store, first_line, is_uri
+from tandem.core.storage import Location, Store, as_named, first_line, is_uri
 
 # what may change between a run and its resume without changing what was trained or the data order
 RESUMABLE_CHANGES = {("batch", "max_steps"), ("batch", "num_train_epochs"), ("checkpoint", None), ("logging", None),
@@ -58,7 +58,7 @@ def fingerprint(cfg, n_rows: int, content: str | None = None) -> dict:
                 for sec, val in d.items() if (sec, None) not in RESUMABLE_CHANGES and sec not in ("data", "seed")}
     model = Path(cfg.model.local_dir())
     local = content is None
-    return {"job": _digest(training), "data.path": str(Path(cfg.data.path).resolve()) if local else cfg.data.path,
+    return {"job": _digest(training), "data.path": as_named(cfg.data.path) if local else cfg.data.path,
             "data rows": n_rows, "data content": _files_digest(Path(cfg.data.path)) if local else content,
             "data order": _digest([d["data"], d["seed"]]),
             "model files": _files_digest(model, {"config.json", "model.safetensors", "tokenizer.json",

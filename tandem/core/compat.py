@@ -14,8 +14,13 @@ def job_env_vars(working_dir: str) -> dict[str, str]:
     - TOKENIZERS_PARALLELISM=false: the tokenizers library forks a thread pool and warns (or deadlocks)
       when the process later forks; Tandem tokenises in one thread. Permanent.
     - PYTHONPATH=<working dir>: reward functions named `module:function` import from the job's working
-      directory on every node, as they do for the driver. Permanent (it is the contract)."""
-    return {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": working_dir}
+      directory on every node, as they do for the driver. Permanent (it is the contract).
+    - TANDEM_SOURCE_DIR, TANDEM_COPY_DIR: under `tandem submit`, the directory sent as the submitting machine names
+      it, and the copy the job runs in (tandem.core.storage.as_named)."""
+    env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": working_dir}
+    if os.environ.get("TANDEM_SOURCE_DIR"):  # the submitted job's own env_vars carry it to every actor already
+        env["TANDEM_COPY_DIR"] = working_dir
+    return env
 
 
 def rollout_env_vars(num_gpus: float) -> dict[str, str]:

@@ -9,6 +9,7 @@ never from the job file."""
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import os
@@ -368,6 +369,19 @@ class RunLease:
 
 def _clock(t) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(t))) if t else "?"
+
+
+def as_named(path: str) -> str:
+    """A local path as the user's own machine names it. Under `tandem submit` the job runs in Ray's copy of the
+    directory it sent (TANDEM_COPY_DIR, on the cluster), which is TANDEM_SOURCE_DIR on the submitting machine: a path
+    inside the copy is named inside the source, so that what a run records (the adapter's base model, the data's
+    path in its checkpoints) names what the user named, not a temporary copy. Elsewhere: the path resolved."""
+    p = Path(path).resolve()
+    source, copy = os.environ.get("TANDEM_SOURCE_DIR"), os.environ.get("TANDEM_COPY_DIR")
+    if source and copy:
+        with contextlib.suppress(ValueError):
+            return str(Path(source) / p.relative_to(Path(copy).resolve()))
+    return str(p)
 
 
 def pid_alive(pid: int) -> bool:

@@ -83,6 +83,10 @@ def test_submit_runs_the_job_on_the_cluster(ray_head, tmp_path, tiny_model, caps
     assert arrived == {"data.jsonl", "job.yaml"}, arrived
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["lr"] == 0.01 for r in rows)
+    # what the run records names the user's files as their machine has them, not Ray's copy on the head
+    (final,) = sorted((out / "checkpoints").glob("cycle-*"))[-1:]
+    recorded = json.loads((final / "tandem.json").read_text())["controller"]["fingerprint"]["data.path"]
+    assert recorded == str(wd / "data.jsonl"), recorded
     # the dashboard's series carry the record's values: a snapshot of each step's version holds its reward
     by_version = {r["version"]: r for r in rows}
     matched = [s for s in snapshots if s.get("ray_tandem_version") in by_version]
