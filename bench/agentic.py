@@ -39,8 +39,9 @@ WORKLOADS = {
                 prompts=2, num_generations=8, max_tokens=200, per_device=16, ga=1, steps=4, warmup=1, lr=1e-4,
                 max_iterations=4, sft_steps=120, sft_batch=8, sft_lr=3e-3),
 }
-# tandem_k4: the staleness bound trl_async runs at by default (bench/e2e.py TRL_ASYNC_STALENESS); _colocate: the
-# engine in the learner's process (cluster.vllm_mode colocate: one CUDA context, the learner's matmuls leaving SMs free)
+# tandem_k4: the staleness bound trl_async runs at by default (bench/trl_candidates.py TRL_ASYNC_STALENESS);
+# _colocate: the engine in the learner's process (cluster.vllm_mode colocate: one CUDA context, the learner's matmuls
+# leaving SMs free)
 CANDIDATES = ("tandem_k0", "tandem_k1", "tandem_k4", "tandem_k4_colocate", "trl_tools", "trl_async")
 
 
@@ -147,7 +148,8 @@ def tandem_job(paths, wl, k, args, mode="server"):
         "generation": {"temperature": 1.0, "max_prompt_length": 768, "max_completion_length": wl["max_tokens"],
                        "max_tool_calling_iterations": wl["max_iterations"]},
         "batch": {"per_device_train_batch_size": wl["per_device"], "gradient_accumulation_steps": wl["ga"],
-                  "num_generations": wl["num_generations"], "max_steps": wl["steps"] + wl["warmup"] + tandem_candidates.END_STEPS},
+                  "num_generations": wl["num_generations"], "max_steps": wl["steps"] + wl["warmup"]
+                  + tandem_candidates.END_STEPS},
         "grpo": {"loss_type": "dapo", "beta": 0.0},
         "optimizer": {"learning_rate": wl["lr"], "lr_scheduler_type": "constant"},
         "cluster": {"num_rollout_workers": 1, "max_staleness": k, "vllm_mode": mode,
@@ -162,10 +164,12 @@ def tandem_job(paths, wl, k, args, mode="server"):
 def run(candidate: str, paths, wl, args) -> dict:
     if candidate.startswith("tandem_k"):
         k, _, mode = candidate.removeprefix("tandem_k").partition("_")
-        return tandem_candidates.measure_tandem(tandem_job(paths, wl, int(k), args, mode or "server"), wl, args.workload == "gpu")
+        return tandem_candidates.measure_tandem(tandem_job(paths, wl, int(k), args, mode or "server"), wl,
+                                                args.workload == "gpu")
     from agentic_task import add, correct_sum
 
-    runner = trl_candidates.run_trl_async if candidate == "trl_async" else trl_candidates.run_trl  # TRL's asynchronous trainer, or its own
+    # TRL's asynchronous trainer, or its own
+    runner = trl_candidates.run_trl_async if candidate == "trl_async" else trl_candidates.run_trl
     return runner(paths, wl, args, reward=correct_sum, tools=[add], max_tool_calling_iterations=wl["max_iterations"])
 
 

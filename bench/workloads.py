@@ -192,7 +192,7 @@ def long_marker(tok) -> int:
     ends = {prompt_ids(tok, number_prompt(i, True))[-1] for i in range(1000)}
     short = {prompt_ids(tok, number_prompt(i, False))[-1] for i in range(1000)}
     if len(ends) != 1 or ends & short:
-        raise ValueError(f"bench/e2e.py number_prompt: long prompts end in tokens {sorted(ends)[:5]} (short ones in "
+        raise ValueError(f"bench/workloads.py number_prompt: long prompts end in tokens {sorted(ends)[:5]} (short ones in "
                          f"{sorted(ends & short)[:5]} of them): the long-tail warm-up needs one marker of their own")
     return ends.pop()
 

@@ -19,6 +19,9 @@ from tandem.services.devtools.warm_up import sft_step
 PROMPTS = ["write a number", "say some digits", "give me digits", "a number please", "digits", "count"]
 
 
+SAY_EVERY_S = 10.0  # how often the warm-up says how far it is
+
+
 def sample_text(rng: random.Random) -> str:
     return "".join(rng.choice("0123456789") for _ in range(rng.randint(4, 12)))
 
@@ -33,6 +36,7 @@ def warm_up(model_dir: Path, steps: int = 300, batch: int = 32, seed: int = 0) -
     torch.manual_seed(seed)
     model.train()
     templated = {}  # the chat template once per prompt: 9,600 renderings were a third of the warm-up
+    t0 = said = time.time()
     for step in range(steps):
         seqs, masks = [], []
         for _ in range(batch):
@@ -45,6 +49,9 @@ def warm_up(model_dir: Path, steps: int = 300, batch: int = 32, seed: int = 0) -
             seqs.append(p + c)
             masks.append([0] * len(p) + [1] * len(c))
         loss = sft_step(model, opt, seqs, masks, tok.pad_token_id)
+        if time.time() - said >= SAY_EVERY_S:  # no silent minute on a slow machine
+            said = time.time()
+            print(f"warm-up: step {step + 1} of {steps}, SFT loss {float(loss):.3f} ({said - t0:.0f} s)", flush=True)
     model.save_pretrained(model_dir)
     return float(loss)
 
@@ -59,6 +66,8 @@ def main(out: str) -> None:
     if (model_dir / "warm.json").is_file():
         print(f"model ready: {model_dir}")
         return
+    print(f"building a tiny Qwen2-shaped model in {model_dir}, then warming it up on digit strings (a minute or two "
+          "on 2 cores)", flush=True)
     build_tiny_model(model_dir, layers=2, hidden=128, heads=4, kv_heads=2, vocab=512, seed=0)
     loss = warm_up(model_dir)
     (model_dir / "warm.json").write_text(json.dumps({"sft_loss": loss}))

@@ -124,14 +124,15 @@ def worker_starter(cfg, host=None):
 
 def start_actors(cfg, total_steps: int, counters, say):
     """The job's learner group and rollout pool, the learner's setup running while the rollout workers start
-    (colocate: rank 0's actor is worker 0). -> (LearnerGroup, RolloutPool)."""
+    (colocate: rank 0's actor is worker 0). -> (LearnerGroup, RolloutPool); where one fails to start, both are stopped
+    before the error is raised."""
     from tandem.core.checks import write_shared_probe
     from tandem.core.engine_memory import prompts_in_flight
     from tandem.core.storage import Store
     from tandem.learner.group import LearnerGroup
     from tandem.services.orchestrator.rollout_pool import RolloutPool
 
-    probe = write_shared_probe(cfg.logging.output_dir)
+    probe, learner, pool = write_shared_probe(cfg.logging.output_dir), None, None
     try:
         colocate = cfg.cluster.vllm_mode == "colocate"
         host = dict(actor_class=colocated_actor_class(cfg), prefix=PREFIX) if colocate else {}
@@ -142,5 +143,11 @@ def start_actors(cfg, total_steps: int, counters, say):
         pool.start(cfg.cluster.num_rollout_workers)
         learner.ready()
         return learner, pool
+    except BaseException:  # a learner that cannot start (a refused job): nothing of the job is left running
+        if pool is not None:
+            pool.shutdown()
+        if learner is not None:
+            learner.shutdown()
+        raise
     finally:
         Store(probe).delete()

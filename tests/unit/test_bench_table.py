@@ -12,34 +12,13 @@ import pytest
 from tests.helpers import bench_script
 
 
-@pytest.fixture(scope="module")
-def e2e_table():
-    return bench_script("e2e_table")
+def script_fixture(name: str):
+    """A fixture named `name`: bench/<name>.py loaded as a module, once per test module."""
+    return pytest.fixture(scope="module", name=name)(lambda: bench_script(name))
 
 
-@pytest.fixture(scope="module")
-def machine():
-    return bench_script("machine")
-
-
-@pytest.fixture(scope="module")
-def workloads():
-    return bench_script("workloads")
-
-
-@pytest.fixture(scope="module")
-def tandem_candidates():
-    return bench_script("tandem_candidates")
-
-
-@pytest.fixture(scope="module")
-def trl_candidates():
-    return bench_script("trl_candidates")
-
-
-@pytest.fixture(scope="module")
-def e2e_gpu():
-    return bench_script("e2e_gpu")
+e2e_table, machine, workloads, tandem_candidates, trl_candidates, e2e_gpu = map(script_fixture, (
+    "e2e_table", "machine", "workloads", "tandem_candidates", "trl_candidates", "e2e_gpu"))
 
 
 # A synchronous run: 10 s a step, of which 8 s waiting for generation and 2 s training; 5,000 completion tokens

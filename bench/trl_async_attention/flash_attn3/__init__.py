@@ -1,6 +1,6 @@
 """A local stand-in for the Hugging Face Hub kernel `kernels-community/flash-attn3`, which TRL's AsyncGRPOTrainer
 loads for its packed attention (trl/experimental/async_grpo/packing.py: `get_kernel(...).flash_attn_varlen_func`).
-Where the Hub cannot be reached, bench/e2e.py points Hugging Face's `kernels` package at this folder
+Where the Hub cannot be reached, bench/trl_candidates.py points Hugging Face's `kernels` package at this folder
 (LOCAL_KERNELS, that package's own override), so TRL's trainer runs unchanged. On a GPU it computes with torch's
 variable-length flash attention (`torch.nn.attention.varlen.varlen_attn`: FlashAttention-2 kernels built into
 torch, with their backward), not FlashAttention-3: attention is slower by what FA3 gains on Hopper, which the
