@@ -295,13 +295,8 @@ class Learner:
         batch_stats.update(self._throughput(tokens, pairs, train_s))
         batch_stats.update(train_phases(t0, t_prepared, t_trained, t0 + train_s))
         batch_stats["learner/forwards_per_step"] = sum(map(len, forwards.values())) / len(forwards)
-        batch_stats["learner/max_tokens_per_forward"] = float(self.layout.token_budget or 0)  # 0: the plan's micro-batches
         batch_stats["learner/padding_frac"] = 1 - tokens / max(computed, 1)  # the forward's share spent on padding
-        batch_stats["learner/gradient_checkpointing"] = float(self.layout.checkpointing)
-        batch_stats["learner/liger_kernel"] = float(self.layout.liger)
-        batch_stats["learner/sm_carveout"] = float(self.layout.sm_carveout or 0)  # 0: every SM
-        batch_stats["learner/engine_shared_gib"] = self.layout.engine_shared_gib
-        batch_stats.update(memory_peaks(self.device))
+        batch_stats.update(self._layout_metrics(), **memory_peaks(self.device))
         for sm in step_metrics:
             sm.update(batch_stats)
             sm["version"] = self.version
@@ -310,6 +305,14 @@ class Learner:
         if export and self.rank == 0:
             out["adapter"] = self.export_adapter()
         return out
+
+    def _layout_metrics(self) -> dict:
+        """How this learner runs (learner/layout.py's choices), on every step's line."""
+        lay = self.layout
+        return {"learner/max_tokens_per_forward": float(lay.token_budget or 0),  # 0: the plan's micro-batches
+                "learner/gradient_checkpointing": float(lay.checkpointing), "learner/liger_kernel": float(lay.liger),
+                "learner/sm_carveout": float(lay.sm_carveout or 0),  # 0: every SM
+                "learner/engine_shared_gib": lay.engine_shared_gib}
 
     def _forwards(self, s: Samples, adv: torch.Tensor, key: tuple) -> list[dict]:
         """One optimizer step's forwards on this rank (plan micro-batches `key`), collated on the host, each with its

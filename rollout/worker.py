@@ -294,30 +294,9 @@ class RolloutWorker:
         comps, eps = req.result, req.episodes
         t1 = time.time()
         ids = [c.tokens for c in comps]
-        G = len(comps)
-        columns = {k: [v] * G for k, v in it.columns.items()}
-        if req.envs is not None and isinstance(self.rewards, RewardFunctions):
-            columns["environments"] = req.envs  # TRL passes them; objects do not cross to isolated reward processes
-        try:
-            rewards = self.rewards.score(
-                prompts=[it.prompt] * G,
-                completions=(completion_views(self.tok, it.prompt, ids, self.tok.eos_token_id) if eps is None
-                             else [e.messages for e in eps]),
-                completion_ids=[c.tolist() for c in ids],
-                columns=columns,
-                rows=[it.index] * G,
-            )
-            if req.envs is not None:
-                rewards = np.concatenate([rewards, self.environments.rewards(req.envs, it.index)[:, None]], axis=1)
-        except RewardError as e:
-            with self._lock:
-                self._stats["failures"] += 1
-            return RolloutFailure(it.group_id, it.index, str(e), self.worker_id, retryable=False,
-                                  fatal=isinstance(e, RewardContractError))
-        if np.isnan(rewards).all():  # TRL warns and trains on zeros; a group without any reward teaches nothing
-            return RolloutFailure(it.group_id, it.index, f"reward functions {self.cfg.rewards} returned None for all "
-                                  f"{G} completions of dataset row {it.index}: not trained on", self.worker_id,
-                                  retryable=False, no_reward=True)
+        rewards = self._scored(it, ids, eps, req.envs)
+        if isinstance(rewards, RolloutFailure):
+            return rewards
         tokens, offsets = pack_completions(ids)
         lps, _ = pack_completions([c.logprobs for c in comps])
         versions = None if all(c.versions is None for c in comps) else pack_completions(
@@ -339,6 +318,35 @@ class RolloutWorker:
                 [np.ones(len(c.tokens), dtype=bool) if c.mask is None else c.mask for c in comps]),
             episodes=None if eps is None else episode_stats(eps),
         )
+
+    def _scored(self, it: PromptItem, ids: list, eps, envs) -> np.ndarray | RolloutFailure:
+        """The group's rewards [G, columns] (an environment's own reward the last column), or the failure that stops
+        it: a reward function that raised or answered the wrong shape, or no reward for any completion."""
+        G = len(ids)
+        columns = {k: [v] * G for k, v in it.columns.items()}
+        if envs is not None and isinstance(self.rewards, RewardFunctions):
+            columns["environments"] = envs  # TRL passes them; objects do not cross to isolated reward processes
+        try:
+            rewards = self.rewards.score(
+                prompts=[it.prompt] * G,
+                completions=(completion_views(self.tok, it.prompt, ids, self.tok.eos_token_id) if eps is None
+                             else [e.messages for e in eps]),
+                completion_ids=[c.tolist() for c in ids],
+                columns=columns,
+                rows=[it.index] * G,
+            )
+            if envs is not None:
+                rewards = np.concatenate([rewards, self.environments.rewards(envs, it.index)[:, None]], axis=1)
+        except RewardError as e:
+            with self._lock:
+                self._stats["failures"] += 1
+            return RolloutFailure(it.group_id, it.index, str(e), self.worker_id, retryable=False,
+                                  fatal=isinstance(e, RewardContractError))
+        if np.isnan(rewards).all():  # TRL warns and trains on zeros; a group without any reward teaches nothing
+            return RolloutFailure(it.group_id, it.index, f"reward functions {self.cfg.rewards} returned None for all "
+                                  f"{G} completions of dataset row {it.index}: not trained on", self.worker_id,
+                                  retryable=False, no_reward=True)
+        return rewards
 
     def health(self) -> dict:
         return {"worker": self.worker_id, "version": self.version, "pid": os.getpid()}

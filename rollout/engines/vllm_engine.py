@@ -166,6 +166,17 @@ LIVE = "tandem-live"  # the LoRA slot that requests following every publish samp
 CPU_MAX_NUM_SEQS = 256  # vLLM's max_num_seqs on a CPU (0.32)
 
 
+def gpu_engine_args(memory_utilization: float, kv_cache_bytes: int | None, max_num_seqs: int | None) -> dict:
+    """vLLM's arguments on a GPU: the memory that must be free at start; the KV cache's size where given (vLLM then
+    skips sizing it by its memory profile), and the running sequences' cap where given."""
+    kw = {"gpu_memory_utilization": memory_utilization}
+    if kv_cache_bytes is not None:
+        kw["kv_cache_memory_bytes"] = kv_cache_bytes
+    if max_num_seqs is not None:
+        kw["max_num_seqs"] = max_num_seqs
+    return kw
+
+
 def cpu_engine_args(kv_cache_bytes: int | None, max_num_seqs: int | None, max_model_len: int) -> dict:
     """vLLM's arguments on a CPU: the KV cache in bytes, and a step's token budget that holds every running
     sequence's whole prompt: a prompt cut across two steps restarts a seeded request's generator at an offset, which
@@ -211,14 +222,8 @@ class VLLMEngine(Engine):
         kw = dict(model=model_path, dtype=dtype, enforce_eager=eager, seed=seed, max_model_len=max_model_len,
                   logprobs_mode="processed_logprobs", distributed_executor_backend="uni",
                   worker_extension_cls=f"{__name__}.TandemWorkerExtension")
-        if on_cpu:
-            kw.update(cpu_engine_args(kv_cache_bytes, max_num_seqs, max_model_len))
-        else:
-            kw["gpu_memory_utilization"] = gpu_memory_utilization
-            if gpu_kv_cache_bytes is not None:
-                kw["kv_cache_memory_bytes"] = gpu_kv_cache_bytes
-            if max_num_seqs is not None:
-                kw["max_num_seqs"] = max_num_seqs
+        kw.update(cpu_engine_args(kv_cache_bytes, max_num_seqs, max_model_len) if on_cpu else
+                  gpu_engine_args(gpu_memory_utilization, gpu_kv_cache_bytes, max_num_seqs))
         if lora is not None and not self.serves_one_version:
             kw.update(enable_lora=True, max_lora_rank=max(8, lora.r), max_loras=max_loras + self.updates_in_flight)
         self.llm = LLM(**kw)
@@ -226,18 +231,22 @@ class VLLMEngine(Engine):
         if self.serves_one_version:
             packed = self.llm.collective_rpc("tandem_packed_modules")[0]
             self._merge = AdapterMerge(model_path, lora, self._device, packed)
-        # Every version's LoRARequest names this directory: its adapter_config.json is what vLLM reads from
-        # disk (the weights come staged from memory: 15 ms of writing and the reading saved per publish).
-        self._adapter_root = Path(adapter_dir or adapter_scratch_dir())
-        if lora is not None and not self.serves_one_version:
-            self._adapter_root.mkdir(parents=True, exist_ok=True)
-            (self._adapter_root / "adapter_config.json").write_text(json.dumps(peft_config(lora, model_path)))
+        self._adapter_root = self._adapter_config_dir(adapter_dir)
         self._adapters: dict[int, object] = {}  # version -> LoRARequest
         self._next_lora_id = 1
         self.weights_version = 0
         self.served = 0  # the newest version loaded: live requests sample with it
         self._latest = None  # (version, tensors) of the newest adapter: a pinned request's LoRA made from it on demand
         self._live = self._live_slot() if self.updates_in_flight and lora is not None and not merged else None
+
+    def _adapter_config_dir(self, adapter_dir: str | None) -> Path:
+        """The directory every version's LoRARequest names: its adapter_config.json is what vLLM reads from disk (the
+        weights come staged from memory: 15 ms of writing and the reading saved per publish)."""
+        root = Path(adapter_dir or adapter_scratch_dir())
+        if self.lora is not None and not self.serves_one_version:
+            root.mkdir(parents=True, exist_ok=True)
+            (root / "adapter_config.json").write_text(json.dumps(peft_config(self.lora, self.model_path)))
+        return root
 
     def _live_slot(self):
         """The LoRARequest that live requests sample with, holding zeros (the base model) until the first publish."""

@@ -135,8 +135,11 @@ def cmd_submit(args) -> int:
     where = f" --address {args.address}" if args.address else ""
     print(f"submitted {job_id}: follow with `ray job logs -f {job_id}{where}`, stop with "
           f"`ray job stop {job_id}{where}`; `tandem status {args.job}` on a machine of the cluster")
-    if not args.wait:
-        return watch_start(client, job_id)
+    return follow_job(client, job_id) if args.wait else watch_start(client, job_id)
+
+
+def follow_job(client, job_id: str) -> int:
+    """`tandem submit --wait`: the job's log printed as it comes, then its end. -> 0 where it succeeded, else 1."""
     import asyncio
 
     async def follow():

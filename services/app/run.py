@@ -432,17 +432,18 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float, datasets: dict 
             bar.update(1)
     except KeyboardInterrupt:
         bar.close()
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the save short
-        print("\ninterrupted: saving a checkpoint before stopping...", file=out)
-        ray.get(ctl.interrupt.remote())  # the cycle stops gathering: the save does not wait for its generation
-        path = ray.get(ctl.save_checkpoint.remote())
-        print(f"checkpoint: {path} (resume with --set checkpoint.resume=true)", file=out)
-        return 130
+        return save_interrupted(ray, ctl, out)
     except Exception:  # the job's own error: its actors are stopped in order before the driver reports it
         bar.close()
         stop_controller(ray, ctl)
         raise
     bar.close()
+    return finish_job(ray, cfg, ctl, out, t_start)
+
+
+def finish_job(ray, cfg, ctl, out, t_start: float) -> int:
+    """The run trained its steps: the final checkpoint and its artifact (checkpoint.save_final), the actors stopped,
+    the summary printed. -> 0."""
     path, artifact = None, None
     if cfg.checkpoint.save_final:
         path = ray.get(ctl.save_checkpoint.remote())
@@ -450,6 +451,17 @@ def _run_job(cfg, ray, address: str | None, out, t_start: float, datasets: dict 
     stop_controller(ray, ctl)
     print_summary(cfg, out, path, artifact, t_start)
     return 0
+
+
+def save_interrupted(ray, ctl, out) -> int:
+    """Ctrl-C or SIGTERM during training: the cycle stops gathering (the save does not wait for its generation), a
+    checkpoint is written, and the run exits 130."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the save short
+    print("\ninterrupted: saving a checkpoint before stopping...", file=out)
+    ray.get(ctl.interrupt.remote())
+    path = ray.get(ctl.save_checkpoint.remote())
+    print(f"checkpoint: {path} (resume with --set checkpoint.resume=true)", file=out)
+    return 130
 
 
 QUIET_S = 30.0  # a step this long without a line says, every QUIET_S, what the run waits on

@@ -144,19 +144,25 @@ def plan_job_upload(job: str, cfg, include: list[str] = (), allow: list[str] = (
         if rel.endswith(".py"):
             for f in local_imports(root, root / rel, seen=set(named)):
                 named.setdefault(str(f.relative_to(root)), f"imported by {rel}")
-    allowed = [_relative(root, a) for a in allow]
-    credential = _name_rules()
+    refuse_credentials(root, named, [_relative(root, a) for a in allow])
     for rel, why in named.items():
-        size = (root / rel).stat().st_size
-        if not any(rel == a or rel.startswith(a.rstrip("/") + "/") for a in allowed):
-            text = read_text(root / rel) if size <= SCAN_LIMIT else None
-            if found := credential(rel) or (secrets_in(text) if text is not None else None):
-                raise JobConfigError(f"{rel} ({why}): looks like a credential ({found}); not uploaded; allowed: keep "
-                                     "the secret in the cluster's environment (a variable the code reads), or send "
-                                     f"the file anyway with --allow {rel}")
-        plan.sent.append((rel, size))
+        plan.sent.append((rel, (root / rel).stat().st_size))
         plan.why[rel] = why
     return plan
+
+
+def refuse_credentials(root: Path, named: dict[str, str], allowed: list[str]) -> None:
+    """Raises naming the first file (relative path -> why it is sent) that looks like a credential by its name or its
+    content (as the whole-directory mode scans), unless `allowed` (relative paths or folders) holds it."""
+    credential = _name_rules()
+    for rel, why in named.items():
+        if any(rel == a or rel.startswith(a.rstrip("/") + "/") for a in allowed):
+            continue
+        text = read_text(root / rel) if (root / rel).stat().st_size <= SCAN_LIMIT else None
+        if found := credential(rel) or (secrets_in(text) if text is not None else None):
+            raise JobConfigError(f"{rel} ({why}): looks like a credential ({found}); not uploaded; allowed: keep "
+                                 "the secret in the cluster's environment (a variable the code reads), or send "
+                                 f"the file anyway with --allow {rel}")
 
 
 def module_files(root: Path, target: str) -> list[Path]:

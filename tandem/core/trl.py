@@ -250,33 +250,8 @@ def _sections(flat: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[str
                 unsupported.append(f"{name}={value!r} (with beta > 0)")
         elif name in KNOWN:
             put(*KNOWN[name], value)
-        elif name in ("bf16", "fp16"):  # fp16 wins, as in transformers; both off: float32
-            if flat.get("fp16") or flat.get("bf16"):
-                put("model", "dtype", "float16" if flat.get("fp16") else "bfloat16")
-            elif flat.get("bf16") is False:
-                put("model", "dtype", "float32")
-        elif name in ("eval_strategy", "evaluation_strategy"):
-            if value not in ("no", "steps"):
-                unsupported.append(f"{name}={value!r} (allowed: 'steps', 'no')")
-        elif name in ("eval_steps", "num_generations_eval", "eval_on_start"):
-            pass  # read with eval_strategy (_eval_section)
-        elif name == "save_strategy":
-            if value not in ("steps", "no"):
-                unsupported.append(f"save_strategy={value!r} (allowed: 'steps', 'no')")
-        elif name == "optim":
-            if value in _ADAMW_8BIT:
-                warnings.warn(f"optim = {value!r}: Tandem runs 32-bit AdamW (same update, more memory)",
-                              UserWarning, stacklevel=4)
-            elif value not in _ADAMW:
-                unsupported.append(f"optim={value!r} (allowed: {sorted(_ADAMW | _ADAMW_8BIT)})")
-        elif name == "vllm_mode":  # TRL's meaning only where vLLM samples (use_vllm=False generates in-process)
-            if flat.get("use_vllm"):
-                put("cluster", "vllm_mode", value)
-            else:
-                ignored.append(name)
-        elif name == "generation_batch_size":
-            if value is not None:
-                out["_generation_batch_size"] = value
+        elif name in SPECIAL:
+            _special(name, value, flat, put, unsupported, ignored)
         elif name in UNSUPPORTED_NEUTRAL:
             if value != UNSUPPORTED_NEUTRAL[name]:
                 unsupported.append(f"{name}={value!r}")
@@ -285,6 +260,36 @@ def _sections(flat: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[str
         else:
             unknown.append(name)
     return out, unsupported, ignored, unknown
+
+
+SPECIAL = ("bf16", "fp16", "eval_strategy", "evaluation_strategy", "eval_steps", "num_generations_eval", "eval_on_start",
+           "save_strategy", "optim", "vllm_mode", "generation_batch_size")
+
+
+def _special(name: str, value: Any, flat: dict[str, Any], put, unsupported: list[str], ignored: list[str]) -> None:
+    """The TRL names whose meaning depends on their value or on another name (SPECIAL)."""
+    if name in ("bf16", "fp16"):  # fp16 wins, as in transformers; both off: float32
+        if flat.get("fp16") or flat.get("bf16"):
+            put("model", "dtype", "float16" if flat.get("fp16") else "bfloat16")
+        elif flat.get("bf16") is False:
+            put("model", "dtype", "float32")
+    elif name in ("eval_strategy", "evaluation_strategy", "save_strategy"):
+        if value not in ("no", "steps"):
+            unsupported.append(f"{name}={value!r} (allowed: 'steps', 'no')")
+    elif name == "optim":
+        if value in _ADAMW_8BIT:
+            warnings.warn(f"optim = {value!r}: Tandem runs 32-bit AdamW (same update, more memory)",
+                          UserWarning, stacklevel=5)
+        elif value not in _ADAMW:
+            unsupported.append(f"optim={value!r} (allowed: {sorted(_ADAMW | _ADAMW_8BIT)})")
+    elif name == "vllm_mode":  # TRL's meaning only where vLLM samples (use_vllm=False generates in-process)
+        if flat.get("use_vllm"):
+            put("cluster", "vllm_mode", value)
+        else:
+            ignored.append(name)
+    elif name == "generation_batch_size" and value is not None:
+        put("", "_generation_batch_size", value)
+    # eval_steps, num_generations_eval, eval_on_start: read with eval_strategy (_eval_section)
 
 
 def _eval_section(flat: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ FOLDERS = ("tandem", "services", "learner", "rollout", "kernels")
 MAX_ATTRIBUTES = 18
 SMALLER = {"Learner": 15, "Controller": 15}
 MAX_LINES = {"Controller": 400}  # the cycle read top to bottom (docs/grpo.md §3), its parts in modules of their own
+MAX_FUNCTION_LINES = 50  # a function a reader follows in one screen
 
 
 def class_attributes(tree: ast.Module) -> dict[str, set[str]]:
@@ -91,3 +92,21 @@ def test_the_controller_stays_short(tmp_path):
     (tmp_path / "services").mkdir()
     (tmp_path / "services" / "c.py").write_text("class Controller:\n" + "    x = 1\n" * 400)
     assert overlong_classes(tmp_path) == ["services/" "c.py: Controller spans 401 lines (at most 400)"]
+
+
+def overlong_functions(root: Path) -> list[str]:
+    out = []
+    for folder in FOLDERS:
+        for f in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                        (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                    out.append(f"{f.relative_to(root)}: {node.name} spans {n} lines (at most {MAX_FUNCTION_LINES})")
+    return out
+
+
+def test_no_function_is_longer_than_a_screen(tmp_path):
+    assert overlong_functions(ROOT) == []
+    (tmp_path / "rollout").mkdir()
+    (tmp_path / "rollout" / "f.py").write_text("def f():\n" + "    x = 1\n" * 50)
+    assert overlong_functions(tmp_path) == ["rollout/" "f.py: f spans 51 lines (at most 50)"]
