@@ -214,10 +214,38 @@ def check_reachable(location: str, field: str) -> str | None:
         back = store.read_bytes(name)
         store.delete(name)
     except OSError as e:
-        return (f"{field} = {location!r}: this node cannot write there ({first_line(e)}); allowed: a storage URI "
-                "whose credentials and endpoint this node's environment gives (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, "
-                "GOOGLE_APPLICATION_CREDENTIALS, ...) or a local path")
-    return None if back == b"ok" else f"{field} = {location!r}: a file written there read back different"
+        back, why = None, first_line(e)
+    if back == b"ok":
+        return None
+    if back is not None:
+        why = "a file written there read back different"
+    if missing := missing_credentials(location):
+        return (f"{field} = {location!r}: this node has no credentials for it ({missing}), and it cannot write "
+                f"there ({why}); allowed: credentials in this node's environment, or a local path")
+    return (f"{field} = {location!r}: this node cannot write there ({why}); allowed: a storage URI whose credentials "
+            "and endpoint this node's environment gives (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, "
+            "GOOGLE_APPLICATION_CREDENTIALS, ...) or a local path")
+
+
+AWS_CREDENTIAL_VARS = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                       "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI")
+
+
+def missing_credentials(location: str) -> str | None:
+    """Where an s3:// URI's credentials would come from and none is there: what the AWS SDK looks at (its variables,
+    its shared files, and an instance role where AWS_EC2_METADATA_DISABLED is set), said in a few words; None where
+    one is there or the URI is not s3://. An unsigned request is what the SDK sends without them, which a store refuses
+    with a bare code (INTERNAL_FAILURE, ACCESS_DENIED) or, on some test servers, takes."""
+    if not location.startswith("s3://"):
+        return None
+    home = Path(os.environ.get("HOME", "~")).expanduser()
+    files = [Path(os.environ.get("AWS_SHARED_CREDENTIALS_FILE", home / ".aws" / "credentials")),
+             Path(os.environ.get("AWS_CONFIG_FILE", home / ".aws" / "config"))]
+    if any(os.environ.get(v) for v in AWS_CREDENTIAL_VARS) or any(f.is_file() for f in files):
+        return None
+    if os.environ.get("AWS_EC2_METADATA_DISABLED", "").lower() != "true":
+        return None  # an instance role may answer: the SDK's own error says whether it did
+    return "none of AWS_ACCESS_KEY_ID, AWS_PROFILE, ~/.aws/credentials, a web identity or a container role"
 
 
 def first_line(e: BaseException) -> str:
