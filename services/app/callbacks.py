@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tandem.core.errors import TrainingError
 from tandem.services.orchestrator.run_log import parse_lines, read_lines
 from tandem.services.orchestrator.trl_checkpoint import Epochs, log_rows, reward_names, trl_checkpoints
 
@@ -45,7 +46,11 @@ class Callbacks:
         """Each callback's `event` hook; a hook that returns a TrainerControl replaces it, as transformers'
         CallbackHandler does. -> the control."""
         for cb in self.items:
-            out = getattr(cb, event, lambda *a, **k: None)(args, state, control, **kw)
+            try:
+                out = getattr(cb, event, lambda *a, **k: None)(args, state, control, **kw)
+            except Exception as e:  # the user's code: named, its own error kept as the cause
+                raise TrainingError(f"callbacks: {type(cb).__name__}.{event} raised {type(e).__name__}: "
+                                    f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}".rstrip(": ")) from e
             if out is not None:
                 control = out
         return control

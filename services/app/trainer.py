@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from tandem.core.config import JobConfig, JobConfigError, with_absolute_paths
+from tandem.core.errors import TandemError
 from tandem.core.storage import Location, Store, is_uri, join
 from tandem.core.trl import trl_to_sections
 from tandem.services.app.callbacks import Callbacks, RunEvents
@@ -558,7 +559,15 @@ def push_weights(trainer: GRPOTrainer, commit_message: str | None, token: str | 
                              "GRPOConfig(hub_token=...), or push_to_hub(token=...)")
     repo = trainer.args.hub_model_id or Path(str(trainer.job.logging.output_dir)).name
     api = HfApi(token=token)
-    repo = api.create_repo(repo, private=trainer.args.hub_private_repo, exist_ok=True).repo_id
+    try:
+        repo = api.create_repo(repo, private=trainer.args.hub_private_repo, exist_ok=True).repo_id
+    except Exception as e:  # noqa: BLE001 - only the network's errors are said here; others go on as they are
+        if not unreachable(e):
+            raise
+        raise TandemError(f"push_to_hub(): the Hugging Face Hub ({api.endpoint}) cannot be reached for repo {repo!r} "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); nothing was uploaded; "
+                          "allowed: a machine that reaches the Hub, or save_model(dir) and upload that directory "
+                          "later") from e
     folder = tempfile.mkdtemp(prefix="tandem-push-")  # left for a background upload (blocking=False) to read
     trainer.save_model(folder)
     result = api.upload_folder(repo_id=repo, folder_path=folder, commit_message=commit_message or "End of training",
@@ -566,6 +575,13 @@ def push_weights(trainer: GRPOTrainer, commit_message: str | None, token: str | 
     if blocking:
         shutil.rmtree(folder, ignore_errors=True)
     return result
+
+
+def unreachable(e: BaseException) -> bool:
+    """A network error on the way to a server (refused, no route, no name, timed out), as httpx or requests raise it."""
+    names = {c.__name__ for c in type(e).__mro__}
+    return bool(names & {"ConnectError", "ConnectTimeout", "TransportError", "ConnectionError", "Timeout"}) or \
+        isinstance(e, (ConnectionError, TimeoutError))
 
 
 def load_trained(trainer: GRPOTrainer):

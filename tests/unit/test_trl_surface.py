@@ -209,3 +209,45 @@ def test_log_history_carries_trls_keys_and_numbers_only():
     assert (first["clip_ratio/low_min"], first["clip_ratio/high_max"]) == (0.1, 0.2)
     assert all(isinstance(v, (int, float)) and not isinstance(v, bool) for r in rows for v in r.values())
     assert "staleness_hist" not in first and "learner/mfu" not in first
+
+
+def test_a_callback_that_raises_is_named_with_its_hook():
+    """TRL lets a callback's error out as it is; Tandem names the callback and the hook (the line `train()` raises),
+    the callback's own error kept as the cause."""
+    from transformers import TrainerCallback, TrainerControl, TrainerState
+
+    from tandem.core.errors import TrainingError
+    from tandem.services.app.callbacks import Callbacks
+
+    class Quiet(TrainerCallback):
+        pass
+
+    class Boom(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            raise KeyError("reward")
+
+    cbs = Callbacks([Quiet, Boom])
+    control = TrainerControl()
+    assert cbs.fire("on_step_end", None, TrainerState(), control) is control  # hooks it lacks: nothing
+    with pytest.raises(TrainingError, match=r"^callbacks: Boom.on_log raised KeyError: 'reward'$") as e:
+        cbs.fire("on_log", None, TrainerState(), control, logs={"loss": 1.0})
+    assert isinstance(e.value.__cause__, KeyError)
+
+
+def test_push_to_hub_with_the_hub_unreachable_is_one_tandem_error_naming_the_repo(hub_cache, tmp_path, monkeypatch):
+    """A token, the Hub switched on, and no route to it (a closed port as the endpoint): huggingface_hub's transport
+    error becomes one line naming the endpoint and the repo, nothing written or sent."""
+    from huggingface_hub import constants
+
+    from tandem import GRPOConfig, GRPOTrainer, TandemError
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    trainer = GRPOTrainer(model=hub_cache["model"], reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          args=GRPOConfig(output_dir=str(tmp_path / "run"), bf16=False, hub_model_id="me/tiny-grpo"),
+                          train_dataset=[{"prompt": "1 + 1"}])
+    with pytest.raises(TandemError, match=r"^push_to_hub\(\): the Hugging Face Hub \(http://127.0.0.1:9\) cannot be "
+                                          r"reached for repo 'me/tiny-grpo' \(\w+: .*\); nothing was uploaded; "
+                                          r"allowed: a machine that reaches the Hub") as e:
+        trainer.push_to_hub(token="hf_test")
+    assert e.value.__cause__ is not None and not (tmp_path / "run").exists()
