@@ -210,7 +210,8 @@ def cmd_status(args) -> int:
               file=sys.stderr)
         return 1
     print(f"cycle {st['cycle']}/{st['total_cycles']}, policy version {st['version']}, rollout workers "
-          f"{st['workers']} (target {st['target_workers']}), prompts in flight {st['in_flight']}, "
+          f"{st['workers']} (target {st['target_workers']}; {st['serving']} serving, {st['workers'] - st['serving']} "
+          f"starting), prompts in flight {st['in_flight']}, "
           f"groups buffered {st['buffered']}")
     if st["counters"]:
         print("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(st["counters"].items())))

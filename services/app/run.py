@@ -465,6 +465,7 @@ def save_interrupted(ray, ctl, out) -> int:
 
 
 QUIET_S = 30.0  # a step this long without a line says, every QUIET_S, what the run waits on
+NOTICE_S = 5.0  # what the controller says during a step (a worker not serving, an evaluation postponed) within this
 
 
 def step_saying_why(ray, ctl, bar, out) -> dict:
@@ -472,13 +473,16 @@ def step_saying_why(ray, ctl, bar, out) -> dict:
     function, hung tools, an engine still starting: the prompts out and what has failed so far), never minutes of
     silence."""
     ref = ctl.step.remote()
-    t0 = time.time()
-    while not ray.wait([ref], timeout=QUIET_S)[0]:
-        try:
-            st = ray.get(ctl.status.remote(), timeout=10)  # a threaded actor: answered while the step runs
-        except Exception:  # noqa: BLE001 - the controller busy or gone: the step's own result says which
+    t0 = said = time.time()
+    while not ray.wait([ref], timeout=min(NOTICE_S, QUIET_S))[0]:
+        try:  # a threaded actor: answered while the step runs
+            for line in ray.get(ctl.__ray_call__.remote(taken_notices), timeout=10):  # said as it happens
+                bar.write(line, file=out)
+            if time.time() - said >= QUIET_S:
+                said = time.time()
+                bar.write(quiet_line(ray.get(ctl.status.remote(), timeout=10), said - t0), file=out)
+        except Exception:  # noqa: BLE001,S112 - the controller busy or gone: the step's own result says which
             continue
-        bar.write(quiet_line(st, time.time() - t0), file=out)
     return ray.get(ref)
 
 
@@ -488,8 +492,8 @@ def quiet_line(st: dict, waited: float) -> str:
     n = min(st["cycle"] + 1, st["total_cycles"])  # the counter moves before the step's record is written
     return (f"tandem: cycle {n} of {st['total_cycles']}: {waited:.0f} s without a step; "
             f"{st['in_flight']} prompt(s) out (sampling, running tools or being scored), {st['buffered']} group(s) "
-            f"back, {st['workers']} rollout worker(s)" + (f"; {failed} prompt(s) failed so far (failed_prompts.jsonl)"
-                                                         if failed else ""))
+            f"back, {st['serving']} rollout worker(s) serving, {st['workers'] - st['serving']} starting"
+            + (f"; {failed} prompt(s) failed so far (failed_prompts.jsonl)" if failed else ""))
 
 
 def print_summary(cfg, out, path: str | None, artifact, t_start: float) -> None:

@@ -463,6 +463,7 @@ class Controller:
     def status(self) -> dict:
         return {"cycle": self.cycle, "total_cycles": self.total_cycles, "version": self.version,
                 "workers": len(self.pool.slots) if self.pool else 0,
+                "serving": len(self.pool.serving()) if self.pool else 0,
                 "target_workers": self.pool.target if self.pool else 0,
                 "in_flight": self.pool.in_flight() if self.pool else 0,
                 "buffered": len(self.buffer) if self.buffer else 0, "counters": dict(self.counters)}

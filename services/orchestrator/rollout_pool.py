@@ -26,7 +26,18 @@ class Slot:
     handed: int = 0  # prompts handed out so far (dispatch ties go to the least used)
     alone: bool = False  # runs a suspect: no other prompt until it comes back
     since: float = field(default_factory=time.time)  # when this worker was asked for
+    placed: object = None  # ref of where it runs, resolved once a node holds it (its engine may still be starting)
     deaths: int = 0  # workers of this slot that died since a group last came back from it
+
+
+def node_of(_worker) -> str:
+    """In a worker's process: the node it runs on, as a line names it (host, address, Ray node id)."""
+    import socket
+
+    import ray
+
+    return (f"{socket.gethostname()} ({ray.util.get_node_ip_address()}, Ray node "
+            f"{ray.get_runtime_context().get_node_id()[:12]})")
 
 
 class RolloutPool:
@@ -69,7 +80,7 @@ class RolloutPool:
         actor, ready = self._start(i)
         if self.adapter_ref is not None:  # after setup inside the actor: set_adapter waits for it
             ready = actor.set_adapter.remote(self.version, self.adapter_ref)
-        return Slot(actor, ready)
+        return Slot(actor, ready, placed=actor.__ray_call__.remote(node_of))  # a threaded actor: answered beside setup
 
     def scale(self, n: int) -> None:
         """Applied at the next feed: new workers start with the current adapter and get prompts once they
@@ -136,9 +147,26 @@ class RolloutPool:
             self._noted = time.time()
             waited = time.time() - min(self.slots[i].since for i in late)
             serving = len(self.serving())
-            self.say(f"tandem: rollout worker(s) {late} not serving after {waited:.0f} s, waiting for {self.request} "
-                     f"on a live node (`ray status` lists the demand); " +
+            self.say(f"tandem: rollout worker(s) {late} not serving after {waited:.0f} s: {self._waits_for(late)}; " +
                      (f"the job goes on with {serving} worker(s)" if serving else "the job waits for one"))
+
+    def _waits_for(self, late: list[int]) -> str:
+        """Why the late workers do not serve: their engine starting on the node that holds them, or no live node with
+        the resources they ask for."""
+        placed = [(i, self.slots[i].placed) for i in late if self.slots[i].placed is not None]
+        done = set(self.ray.wait([r for _, r in placed], num_returns=len(placed), timeout=0)[0]) if placed else set()
+        on = {}
+        for i, r in placed:
+            if r in done:
+                try:
+                    on[i] = self.ray.get(r, timeout=5)
+                except self.ray.exceptions.RayError:
+                    pass
+        parts = [f"worker {i} starting its engine on node {node}" for i, node in sorted(on.items())]
+        if waiting := [i for i in late if i not in on]:
+            parts.append(f"worker(s) {waiting} waiting for {self.request} on a live node (`ray status` lists the "
+                         "demand)")
+        return "; ".join(parts)
 
     def starting(self, longer_than: float) -> list[int]:
         """The slots whose worker was asked for more than `longer_than` s ago and does not serve yet (a lost node's

@@ -5,6 +5,7 @@ tests/integration/test_nodes.py)."""
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections import Counter
@@ -239,16 +240,25 @@ def test_tandem_scale_and_status_reach_the_running_job(ray_session, tmp_path, ti
     ray_session.get(first)
     monkeypatch.setattr(run, "QUIET_S", 0.05)
     said = io.StringIO()
-    run.step_saying_why(ray_session, ctl, tqdm(disable=True), said)
+
+    def plant(_controller):  # a line the controller says as the step starts (as a worker not serving would be)
+        from tandem.services.orchestrator.controller import say
+        say("tandem: a line said during the step")
+    ray_session.get(ctl.__ray_call__.remote(plant))
+    r = run.step_saying_why(ray_session, ctl, tqdm(disable=True), said)
     lines = said.getvalue().splitlines()
-    assert lines and all(ln.startswith("tandem: cycle 2 of 2: ") and " s without a step; " in ln and
-                         " prompt(s) out (sampling, running tools or being scored), " in ln for ln in lines), lines
+    assert lines.count("tandem: a line said during the step") == 1 and not r["notices"], (lines, r["notices"])  # live
+    quiet = [ln for ln in lines if ln != "tandem: a line said during the step"]
+    assert quiet and all(ln.startswith("tandem: cycle 2 of 2: ") and " s without a step; " in ln and
+                         " prompt(s) out (sampling, running tools or being scored), " in ln and
+                         re.search(r"back, [12] rollout worker\(s\) serving, [01] starting", ln) for ln in quiet), lines
     # the controller actor tokenised without importing torch (~350 MB and seconds less per job)
     assert ray_session.get(ctl.__ray_call__.remote(lambda self: [m in sys.modules for m in ("torch", "transformers")])) \
         == [False, True]
     assert main(["status", str(job)]) == 0
     out = capsys.readouterr().out
-    assert "cycle 2/2, policy version 2, rollout workers 2 (target 2)" in out and "workers_added 1" in out
+    assert re.search(r"cycle 2/2, policy version 2, rollout workers 2 \(target 2; [12] serving, [01] starting\)", out) \
+        and "workers_added 1" in out, out
     with pytest.raises(SystemExit):
         main(["scale", str(job), "0"])
     assert "num_rollout_workers = '0'; allowed a whole number >= 1" in capsys.readouterr().err
