@@ -398,6 +398,29 @@ def test_a_prompt_that_kills_its_worker_fails_alone_and_the_run_goes_on(ray_sess
     assert any(x.startswith("tandem: dataset row 3 (epoch 0) not trained on, worker_died: ") for x in notices), notices
 
 
+def test_a_publish_and_the_runs_last_batch_with_the_only_worker_lost_lose_nothing(ray_session, tmp_path, tiny_model):
+    """max_staleness 1, three cycles, the second saving. The only rollout worker lost after the first cycle: the
+    second cycle's batch (trained ahead) is published while no worker serves, to the replacement once it has started;
+    lost again after the second: the last batch is gathered from, and taken while, a replacement starts. The run
+    ends, every step trained once, the prompts out past the last batch pending in its checkpoint."""
+    cfg = loop_job(tmp_path, tiny_model, 1, batch={"max_steps": 3}, checkpoint={"save_steps": 2})
+    ctl = started(Controller(cfg))
+    said = ctl.step()["notices"]
+    for cycle in (1, 2):
+        ray_session.kill(ctl.pool.slots[0].actor)
+        ctl.pool._replace(0, RuntimeError("killed by the test"))  # what a poll does when it sees the death
+        assert ctl.pool.serving() == []
+        r = ctl.step()
+        said += r["notices"]
+        assert r["version"] == cycle + 1 and [s["step"] for s in r["steps"]] == [cycle + 1]
+    assert r["done"] and ctl.pool.serving(), said  # the replacement serves the last version
+    assert sum("rollout worker 0 died (RuntimeError: killed by the test)" in s for s in said) == 2, said
+    check_accounting(ctl, 16)
+    assert len(ctl.seen) == 3 * ctl.plan.unique_prompts
+    assert ctl.save_checkpoint().endswith("cycle-000003")
+    ctl.shutdown()
+
+
 def test_an_evaluation_with_no_serving_worker_is_postponed_and_the_last_one_waits(ray_session, tmp_path, tiny_model,
                                                                                     capfd):
     """The only rollout worker lost just before an evaluation (its replacement starting): the evaluation is postponed
