@@ -30,6 +30,7 @@ def join_process_group(rank: int, world: int, address: tuple[str, int] | None, s
 
     if dist.is_initialized():
         return
+    forget_stale_deepspeed_groups()
     if world == 1:  # nothing to communicate: each collective done in place (learner/one_rank_group.py)
         dist.init_process_group(ONE_RANK, store=store or dist.HashStore(), rank=0, world_size=1,
                                 timeout=default_pg_timeout)
@@ -46,3 +47,16 @@ def join_process_group(rank: int, world: int, address: tuple[str, int] | None, s
         kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store, rank=rank, world_size=world,
                             timeout=default_pg_timeout, **kwargs)
+
+
+def forget_stale_deepspeed_groups() -> None:
+    """DeepSpeed caches the groups it made (its world group among them) and forgets them only when its own
+    destroy_process_group runs. Where torch's was called instead (a transformers or TRL trainer earlier in the same
+    process ends that way), the cache outlives the groups, and the next engine fails on one torch no longer knows
+    ("Group ... is not registered"). Called before this process's default group is made anew."""
+    import sys
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    release = getattr(groups, "_release_process_group_references", None)
+    if release is not None:
+        release(None)

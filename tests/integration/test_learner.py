@@ -465,3 +465,27 @@ def test_a_checkpoint_that_cannot_be_written_names_its_path_and_leaves_nothing_h
     assert "nothing was half-written" in out
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["cycle-000001"]
     assert (tmp_path / "ck" / "cycle-000001" / "tandem.json").is_file()
+
+
+def test_a_learner_starts_after_torchs_group_was_destroyed_behind_deepspeeds_back(tmp_path, tiny_model):
+    """In one process (a notebook): a learner, then torch.distributed.destroy_process_group() (how transformers' and
+    TRL's trainers end), then another learner: DeepSpeed's cached groups are forgotten with the old default group, so
+    the second engine starts ("Group ... is not registered" otherwise). In a process of its own: the state is global."""
+    import subprocess
+    import sys
+
+    code = f"""
+import torch.distributed as dist
+from tandem.learner.actor import Learner
+from tests.helpers import ROOT, make_job
+from tests.helpers.learner import started
+from pathlib import Path
+cfg = make_job(Path({str(tmp_path)!r}), {tiny_model!r}, [f"{{ROOT}}/examples/rewards.py:length_reward"],
+               model={{"fast_inference": False}})
+started(Learner(cfg))
+dist.destroy_process_group()
+started(Learner(cfg))
+print("second learner started")
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert "second learner started" in p.stdout, p.stderr[-3000:]

@@ -75,16 +75,20 @@ def test_a_class_past_its_share_is_named(tmp_path, source, expect):
     assert len(found) == 1 and expect in found[0], found
 
 
-def overlong_classes(root: Path) -> list[str]:
+def overlong(root: Path, kinds: tuple, limit) -> list[str]:
+    """The definitions of `kinds` (ast node types) longer than limit(name) lines (None: no limit for that name)."""
     out = []
     for folder in FOLDERS:
         for f in sorted((root / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(f.read_text())):
-                if isinstance(node, ast.ClassDef) and node.name in MAX_LINES:
-                    n = node.end_lineno - node.lineno + 1
-                    if n > MAX_LINES[node.name]:
-                        out.append(f"{f.relative_to(root)}: {node.name} spans {n} lines (at most {MAX_LINES[node.name]})")
+                if isinstance(node, kinds) and (most := limit(node.name)) is not None and \
+                        (n := node.end_lineno - node.lineno + 1) > most:
+                    out.append(f"{f.relative_to(root)}: {node.name} spans {n} lines (at most {most})")
     return out
+
+
+def overlong_classes(root: Path) -> list[str]:
+    return overlong(root, (ast.ClassDef,), MAX_LINES.get)
 
 
 def test_the_controller_stays_short(tmp_path):
@@ -95,14 +99,7 @@ def test_the_controller_stays_short(tmp_path):
 
 
 def overlong_functions(root: Path) -> list[str]:
-    out = []
-    for folder in FOLDERS:
-        for f in sorted((root / folder).rglob("*.py")):
-            for node in ast.walk(ast.parse(f.read_text())):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
-                        (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
-                    out.append(f"{f.relative_to(root)}: {node.name} spans {n} lines (at most {MAX_FUNCTION_LINES})")
-    return out
+    return overlong(root, (ast.FunctionDef, ast.AsyncFunctionDef), lambda _name: MAX_FUNCTION_LINES)
 
 
 def test_no_function_is_longer_than_a_screen(tmp_path):
