@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tandem.core.config import JobConfigError
+from tandem.core.errors import JobConfigError
 
 # huggingface_hub's repo id rule (validate_repo_id): one optional namespace, then a name
 _REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")

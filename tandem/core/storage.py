@@ -351,7 +351,7 @@ class RunLease:
         return time.time() - float(h["beat"]) < self.ttl_s
 
     def _refuse(self, h: dict, how: str) -> None:
-        from tandem.core.config import JobConfigError
+        from tandem.core.errors import JobConfigError
 
         raise JobConfigError(
             f"{self.field} = {self.location!r}: {how} (pid {h['pid']} on {h['host']}, running since "

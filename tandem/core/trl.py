@@ -153,7 +153,7 @@ def trl_to_sections(flat: dict[str, Any], caller: str | None = None) -> dict[str
     if flat.get("save_strategy") == "no":  # after the loop: save_steps may come later in the dict
         out.setdefault("checkpoint", {}).update(save_final=False, save_steps=0)
     if unsupported:
-        from tandem.core.config import JobConfigError
+        from tandem.core.errors import JobConfigError
 
         raise JobConfigError("TRL config: not supported by Tandem (they change training): " + ", ".join(unsupported))
     if ignored:
@@ -165,7 +165,7 @@ def trl_to_sections(flat: dict[str, Any], caller: str | None = None) -> dict[str
         b = out.setdefault("batch", {})
         per = b.get("per_device_train_batch_size", 8)
         if gbs % per:
-            from tandem.core.config import JobConfigError
+            from tandem.core.errors import JobConfigError
 
             raise JobConfigError(
                 f"TRL config: generation_batch_size = {gbs} is not a multiple of per_device_train_batch_size = {per}"
@@ -304,7 +304,7 @@ def _eval_section(flat: dict[str, Any]) -> dict[str, Any]:
         if isinstance(every, float) and every < 1:
             total = flat.get("max_steps", -1)
             if total is None or total <= 0:
-                from tandem.core.config import JobConfigError
+                from tandem.core.errors import JobConfigError
 
                 raise JobConfigError(f"TRL config: eval_steps = {every} (a share of the run) needs max_steps > 0")
             every = max(1, int(-(-every * total // 1)))

@@ -232,7 +232,7 @@ def test_every_death_on_a_ray_start_cluster_is_survived_and_sigterm_saves_within
     out = "".join(text)
     assert rc == 130, out[-4000:]
     # `tandem status` reached the job through the token-auth head mid-cycle (the controller's second thread)
-    assert st.returncode == 0 and "rollout workers 1 (target 1)" in st.stdout, st.stdout + st.stderr
+    assert st.returncode == 0 and "rollout workers 1 (target 1; " in st.stdout, st.stdout + st.stderr
     assert took < 25, f"SIGTERM took {took:.0f} s"
     assert "the driver died of SIGKILL; restart 1 of 2 from the newest checkpoint" in out
     assert out.count("resumed from checkpoint: ") >= 3 and "interrupted: saving a checkpoint" in out
