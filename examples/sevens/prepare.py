@@ -66,8 +66,8 @@ def main(out: str) -> None:
     if (model_dir / "warm.json").is_file():
         print(f"model ready: {model_dir}")
         return
-    print(f"building a tiny Qwen2-shaped model in {model_dir}, then warming it up on digit strings (a minute or two "
-          "on 2 cores)", flush=True)
+    print(f"building a tiny Qwen2-shaped model in {model_dir}, then warming it up on digit strings (under a "
+          "minute on 2 cores)", flush=True)
     build_tiny_model(model_dir, layers=2, hidden=128, heads=4, kv_heads=2, vocab=512, seed=0)
     loss = warm_up(model_dir)
     (model_dir / "warm.json").write_text(json.dumps({"sft_loss": loss}))
