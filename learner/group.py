@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from tandem.core.actor_names import actor_name
+from tandem.core.actor_names import actor_name, node_line
 from tandem.core.compat import learner_env_vars
 from tandem.core.protocol import errors_as_text
 
@@ -117,8 +117,8 @@ class LearnerGroup:
         if rank is None:
             return None
         p = self.placements[rank] if self.placements else {}
-        return (f"learner rank {rank} on node {p.get('host', '?')} ({p.get('ip', '?')}, Ray node "
-                f"{str(p.get('node', '?'))[:12]}) lost ({death_cause(error)})")
+        where = node_line(p.get("host", "?"), p.get("ip", "?"), str(p.get("node", "?")))
+        return f"learner rank {rank} on node {where} lost ({death_cause(error)})"
 
     def _all(self, method: str, *args):
         import ray

@@ -36,8 +36,9 @@ def node_of(_worker) -> str:
 
     import ray
 
-    return (f"{socket.gethostname()} ({ray.util.get_node_ip_address()}, Ray node "
-            f"{ray.get_runtime_context().get_node_id()[:12]})")
+    from tandem.core.actor_names import node_line
+
+    return node_line(socket.gethostname(), ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id())
 
 
 class RolloutPool:

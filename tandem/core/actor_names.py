@@ -12,3 +12,8 @@ _STARTED = itertools.count()
 
 def actor_name(role: str, index: int, output_dir: str) -> str:
     return f"{role}-{index}#{next(_STARTED)} {output_dir}"
+
+
+def node_line(host: str, ip: str, node_id: str) -> str:
+    """A node as Tandem's lines name it: host (address, Ray node id's first 12 hex digits)."""
+    return f"{host} ({ip}, Ray node {node_id[:12]})"
