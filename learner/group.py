@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from tandem.core.actor_names import actor_name, node_line
+from tandem.core.actor_names import actor_name, death_cause, node_line
 from tandem.core.compat import learner_env_vars
 from tandem.core.protocol import errors_as_text
 
@@ -53,19 +53,6 @@ class LearnerActor:
         from tandem.learner.actor import Learner
 
         self.learner = Learner(*args)
-
-
-def death_cause(error) -> str:
-    """A Ray actor's death in a few words, from Ray's exception and message."""
-    text = str(error)
-    low = text.lower()
-    if type(error).__name__ in ("ActorUnavailableError", "GetTimeoutError") or "is unavailable" in low:
-        return "unreachable: its node or process does not answer"
-    if any(s in low for s in ("node has died", "node died", "node is dead", "node was terminated")):
-        return "its node died"
-    if any(s in low for s in ("process has died", "killed", "sigkill", "exited", "died unexpectedly")):
-        return "its process died"
-    return text.strip().splitlines()[0][:80] if text.strip() else type(error).__name__
 
 
 class LearnerGroup:

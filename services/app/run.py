@@ -558,9 +558,12 @@ def restart_job(ray, cfg, ctl, error, restarts: int, out, resource_wait_s: float
     """A dead learner rank or controller: the job starts again from its newest complete checkpoint (the
     prompts after it are handed out again, their metrics lines cut), at most cluster.max_restarts times.
     The learner and the rollout workers are the controller's actors: they go with it. -> the new one."""
+    from tandem.core.actor_names import death_cause
     from tandem.services.orchestrator.checkpointer import Checkpointer
 
-    reason = one_line(error)[:300]
+    # a Ray actor error that reaches the driver is the controller's own death (the learner's comes as LearnerLost)
+    reason = (f"the controller actor lost ({death_cause(error)})" if isinstance(error, ray.exceptions.RayActorError)
+              else one_line(error)[:300])
     if restarts > cfg.cluster.max_restarts:
         raise RuntimeError(f"the job died {restarts} times (cluster.max_restarts = {cfg.cluster.max_restarts}); "
                            f"last: {reason}") from error

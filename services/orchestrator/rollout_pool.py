@@ -16,6 +16,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 WAIT_NOTE_S = 10.0  # how often a worker that does not serve yet is said (the README promises a line every 10 s)
+# A replacement that dies before it served, this soon after its predecessor went with its node, went with the same
+# node: Ray placed it there in the seconds before the node was marked dead (seen in bench/chaos.py's runs). It is
+# started again without counting a second failure: one lost node is one failure.
+SAME_LOSS_S = 60.0
+NODE_LOSS = ("its node died", "unreachable: its node or process does not answer")
 
 
 @dataclass
@@ -28,6 +33,7 @@ class Slot:
     since: float = field(default_factory=time.time)  # when this worker was asked for
     placed: object = None  # ref of where it runs, resolved once a node holds it (its engine may still be starting)
     deaths: int = 0  # workers of this slot that died since a group last came back from it
+    node_lost_at: float | None = None  # when this slot's last worker went with its node (SAME_LOSS_S)
 
 
 def node_of(_worker) -> str:
@@ -107,7 +113,6 @@ class RolloutPool:
                 except self.ray.exceptions.RayError as e:
                     if lost_object(e):  # the adapter it was to load is gone with the learner that made it: the
                         raise  # learner's death, which restarts the job, not this worker's
-                    self.counters["worker_failures"] += 1
                     self._replace(i, e)
 
     def _stop(self, s: Slot) -> None:
@@ -119,8 +124,11 @@ class RolloutPool:
         self.ray.kill(s.actor)
 
     def _replace(self, i: int, cause: BaseException) -> list:
-        """A dead worker's slot gets a new worker, not waited for (it serves once started), said in one line; -> the
-        items it held (suspects from now on). RuntimeError past max_worker_restarts deaths in a row."""
+        """A dead worker's slot gets a new worker, not waited for (it serves once started), said in one line and
+        counted as a worker failure (not again for a replacement that went with the same lost node: SAME_LOSS_S);
+        -> the items it held (suspects from now on). RuntimeError past max_worker_restarts deaths in a row."""
+        from tandem.core.actor_names import death_cause
+
         old = self.slots[i]
         try:
             self.ray.kill(old.actor)
@@ -129,14 +137,20 @@ class RolloutPool:
         lost = [item for item, _ in old.in_flight.values()]
         self.suspects.update((it.index, it.epoch) for it in lost)
         running = f"dataset rows {sorted(it.index for it in lost)}" if lost else "no prompt"
-        deaths = old.deaths + 1
-        what = f"rollout worker {i} died ({first_line(cause)}) while running {running}"
+        same_loss = (old.ready is not None and old.node_lost_at is not None
+                     and time.time() - old.node_lost_at < SAME_LOSS_S)
+        deaths = old.deaths + (not same_loss)
+        self.counters["worker_failures"] += not same_loss
+        what = f"rollout worker {i} died ({death_cause(cause)}) while running {running}"
         if deaths > self.max_worker_restarts:
             raise RuntimeError(f"{what}: its {deaths}th death without a group coming back in between "
                                f"(cluster.max_worker_restarts = {self.max_worker_restarts}); the job stops")
-        self.say(f"tandem: {what}; replaced ({deaths} in a row)")
+        self.say(f"tandem: rollout worker {i}'s replacement went with the same lost node (placed there before Ray "
+                 f"marked it dead); started again" if same_loss else f"tandem: {what}; replaced ({deaths} in a row)")
         new = self._new(i)
         new.handed, new.deaths = old.handed, deaths
+        new.node_lost_at = old.node_lost_at if same_loss else (
+            time.time() if death_cause(cause) in NODE_LOSS else None)
         self.slots[i] = new  # serves once started (_mark_ready): the others go on meanwhile, not waiting for it
         return lost
 
@@ -238,7 +252,6 @@ class RolloutPool:
                     # prompt out again to fail again, for ever
                     meta = {"failure": f"rollout of dataset row {item.index} raised {first_line(e)}", "no_reward": False}
                 except self.ray.exceptions.RayError as e:  # worker died (or its result was lost)
-                    self.counters["worker_failures"] += 1
                     s.in_flight[ref] = (item, group)  # among what it held when it died
                     lost += self._replace(i, e)
                     break
@@ -288,7 +301,6 @@ class RolloutPool:
             except self.ray.exceptions.RayError as e:
                 i = next((i for i, x in enumerate(self.slots) if x is s), None)
                 if i is not None:
-                    self.counters["worker_failures"] += 1
                     lost += self._replace(i, e)
         return lost
 

@@ -210,7 +210,8 @@ def test_every_death_on_a_ray_start_cluster_is_survived_and_sigterm_saves_within
              and len(lines(metrics)) >= 6,
              "step 6 after the learner's death")
         kill("Controller")
-        wait(lambda: said("restart 2 of 2") and resumed() >= 2 and len(lines(metrics)) >= 8,
+        wait(lambda: said("tandem: the controller actor lost (") and said("restart 2 of 2") and resumed() >= 2
+             and len(lines(metrics)) >= 8,
              "step 8 after the controller's death")
         first = driver()
         os.kill(first, signal.SIGKILL)

@@ -25,9 +25,11 @@ def test_a_lost_rollout_node_costs_its_worker_and_groups_not_the_job(tmp_path, t
     assert r["trained"] == r["distinct"] == r["trained_record"] == 8  # 2 prompts a cycle, none twice
     assert all(0 <= lag <= 1 for cycle in r["lags"] for lag in cycle), r["lags"]
     assert r["accounting"] == "ok", r["accounting"]
-    # the lost worker (its calls may first fail as "unavailable", then as dead: one replacement or two)
-    assert 1 <= r["counters"]["worker_failures"] <= 2 and r["counters"].get("groups_lost", 0) >= 1, (r["counters"], said)
-    assert any("rollout worker" in s and "died" in s and "replaced (1 in a row)" in s for s in said), said
+    # one lost node, one failure: a replacement Ray placed on the node before marking it dead is started again
+    # without counting (rollout_pool.SAME_LOSS_S)
+    assert r["counters"]["worker_failures"] == 1 and r["counters"].get("groups_lost", 0) >= 1, (r["counters"], said)
+    assert any("rollout worker" in s and "died (" in s and "replaced (1 in a row)" in s for s in said), said
+    assert not any("replaced (2 in a row)" in s for s in said), said
     assert any("not serving after" in s and "'rollout': 1.0" in s and "goes on with 1 worker(s)" in s
                for s in said), said
     assert any("scored group(s) lost with their node" in s and "nothing was trained on them" in s for s in said), said

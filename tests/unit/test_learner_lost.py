@@ -5,7 +5,7 @@ import pytest
 import ray.exceptions as rex
 
 import tandem
-from tandem.learner.group import death_cause
+from tandem.core.actor_names import death_cause
 
 
 @pytest.mark.parametrize("error,cause", [
