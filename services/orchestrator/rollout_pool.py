@@ -141,7 +141,9 @@ class RolloutPool:
                      and time.time() - old.node_lost_at < SAME_LOSS_S)
         deaths = old.deaths + (not same_loss)
         self.counters["worker_failures"] += not same_loss
-        what = f"rollout worker {i} died ({death_cause(cause)}) while running {running}"
+        # Ray's death of the actor in a few words; any other error (a test's, a lost object's) as its first line
+        why = death_cause(cause) if isinstance(cause, self.ray.exceptions.RayActorError) else first_line(cause)
+        what = f"rollout worker {i} died ({why}) while running {running}"
         if deaths > self.max_worker_restarts:
             raise RuntimeError(f"{what}: its {deaths}th death without a group coming back in between "
                                f"(cluster.max_worker_restarts = {self.max_worker_restarts}); the job stops")
@@ -149,8 +151,7 @@ class RolloutPool:
                  f"marked it dead); started again" if same_loss else f"tandem: {what}; replaced ({deaths} in a row)")
         new = self._new(i)
         new.handed, new.deaths = old.handed, deaths
-        new.node_lost_at = old.node_lost_at if same_loss else (
-            time.time() if death_cause(cause) in NODE_LOSS else None)
+        new.node_lost_at = old.node_lost_at if same_loss else (time.time() if why in NODE_LOSS else None)
         self.slots[i] = new  # serves once started (_mark_ready): the others go on meanwhile, not waiting for it
         return lost
 
