@@ -15,6 +15,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from tandem.core.actor_names import death_cause
+
 WAIT_NOTE_S = 10.0  # how often a worker that does not serve yet is said (the README promises a line every 10 s)
 # A replacement that dies before it served, this soon after its predecessor went with its node, went with the same
 # node: Ray placed it there in the seconds before the node was marked dead (seen in bench/chaos.py's runs). It is
@@ -127,8 +129,6 @@ class RolloutPool:
         """A dead worker's slot gets a new worker, not waited for (it serves once started), said in one line and
         counted as a worker failure (not again for a replacement that went with the same lost node: SAME_LOSS_S);
         -> the items it held (suspects from now on). RuntimeError past max_worker_restarts deaths in a row."""
-        from tandem.core.actor_names import death_cause
-
         old = self.slots[i]
         try:
             self.ray.kill(old.actor)
