@@ -401,8 +401,9 @@ def test_a_prompt_that_kills_its_worker_fails_alone_and_the_run_goes_on(ray_sess
 def test_a_publish_and_the_runs_last_batch_with_the_only_worker_lost_lose_nothing(ray_session, tmp_path, tiny_model):
     """max_staleness 1, three cycles, the second saving. The only rollout worker lost after the first cycle: the
     second cycle's batch (trained ahead) is published while no worker serves, to the replacement once it has started;
-    lost again after the second: the last batch is gathered from, and taken while, a replacement starts. The run
-    ends, every step trained once, the prompts out past the last batch pending in its checkpoint."""
+    lost again after the second, and `tandem scale 2` asked while no worker serves: the last batch is gathered from,
+    and taken while, a replacement starts, and the second worker is added. The run ends, every step trained once, the
+    prompts out past the last batch pending in its checkpoint."""
     cfg = loop_job(tmp_path, tiny_model, 1, batch={"max_steps": 3}, checkpoint={"save_steps": 2})
     ctl = started(Controller(cfg))
     said = ctl.step()["notices"]
@@ -410,10 +411,15 @@ def test_a_publish_and_the_runs_last_batch_with_the_only_worker_lost_lose_nothin
         ray_session.kill(ctl.pool.slots[0].actor)
         ctl.pool._replace(0, RuntimeError("killed by the test"))  # what a poll does when it sees the death
         assert ctl.pool.serving() == []
+        if cycle == 2:  # `tandem scale` while no worker serves: taken at once, applied at the next feed
+            st = ctl.scale(2)
+            assert st["target_workers"] == 2 and st["serving"] == 0, st
         r = ctl.step()
         said += r["notices"]
         assert r["version"] == cycle + 1 and [s["step"] for s in r["steps"]] == [cycle + 1]
     assert r["done"] and ctl.pool.serving(), said  # the replacement serves the last version
+    st = ctl.status()  # the scale was applied with no worker serving: a second worker added beside the replacement
+    assert st["workers"] == 2 and st["counters"]["workers_added"] == 1, st
     assert sum("rollout worker 0 died (RuntimeError: killed by the test)" in s for s in said) == 2, said
     check_accounting(ctl, 16)
     assert len(ctl.seen) == 3 * ctl.plan.unique_prompts
