@@ -32,7 +32,6 @@ out and left for a resume, the wall time lost against `none`, and the `tandem:` 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -48,6 +47,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
+
+from tandem.services.devtools.local_nodes import actor_pid, kill_node  # noqa: E402 - after the path above
 
 BUCKET = "tandem-chaos"
 STEPS, EVAL_STEPS, SAVE_STEPS, PROMPTS_PER_STEP = 24, 8, 4, 4
@@ -172,24 +173,6 @@ def failed_calls(method: str, env: dict, gcs: str) -> int | None:
     return int(q.stdout.split()[-1]) if q.returncode == 0 and q.stdout.split() else None
 
 
-def kill_tree(pid: int) -> None:
-    from tandem.services.devtools.local_nodes import descendants
-
-    for p in [pid, *descendants(pid)]:  # every process at once: a host fault
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)
-
-
-def actor_process(root_pid: int, cls: str) -> int | None:
-    from tandem.services.devtools.local_nodes import descendants
-
-    for pid in descendants(root_pid):
-        with contextlib.suppress(OSError):
-            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(f"ray::{cls}".encode()):
-                return pid
-    return None
-
-
 class Cluster:
     """The head, the rollout node and two learner nodes (see the module's doc)."""
 
@@ -208,7 +191,7 @@ class Cluster:
         return node
 
     def learner_node(self):
-        return next((n for n in self.learners if n.poll() is None and actor_process(n.pid, "LearnerActor")), None)
+        return next((n for n in self.learners if n.poll() is None and actor_pid(n.pid, "LearnerActor")), None)
 
     def stop(self) -> None:
         from tandem.services.devtools.local_nodes import stop
@@ -241,9 +224,6 @@ def run_fault(fault: str, bucket: Bucket, work: Path, model_uri: str) -> dict:
         if fault != "none":
             row.update(inject(fault, cluster, p, bucket, run, env, lambda: len("".join(text))))
         rc = p.wait(900)
-    except BaseException:
-        p.kill()
-        raise
     finally:
         if p.poll() is None:
             p.kill()
@@ -267,14 +247,14 @@ def inject(fault: str, cluster: Cluster, p, bucket: Bucket, run: str, env: dict,
     at = {"killed_after_step": max(bucket.steps(run), default=0), "killed_during": method or what,
           "killed_at_chars": said_so_far()}
     if what == "rollout":
-        kill_tree(cluster.rollout.pid)
+        kill_node(cluster.rollout.pid)
         time.sleep(REJOIN_S)
         cluster.rollout = cluster.new_rollout_node()
     elif what == "learner":
         node = until(cluster.learner_node, p, "the learner's node")
-        kill_tree(node.pid)
+        kill_node(node.pid)
     elif what == "controller":
-        os.kill(until(lambda: actor_process(cluster.head.pid, "Controller"), p, "the controller"), signal.SIGKILL)
+        os.kill(until(lambda: actor_pid(cluster.head.pid, "Controller"), p, "the controller"), signal.SIGKILL)
     elif what == "driver":
         kids = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
         os.kill(int(kids[0]), signal.SIGKILL)
@@ -303,7 +283,7 @@ def outcome(bucket: Bucket, run: str, rows: int) -> dict:
     steps = bucket.steps(run)
     metas = [k for k in bucket.keys(f"{run}/checkpoints/") if k.endswith("/tandem.json")]
     got = {"steps": len(steps), "steps_missing": len(set(range(1, STEPS + 1)) - set(steps)),
-           "steps_twice": len(steps) - len(set(steps)), "restarts": None}
+           "steps_twice": len(steps) - len(set(steps))}
     if metas:
         meta = json.loads(bucket.read(max(metas)))
         part = parts_state(meta["controller"], rows)

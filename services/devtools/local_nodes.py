@@ -261,6 +261,31 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def actor_pid(root_pid: int, cls: str) -> int | None:
+    """The process of the newest `cls` actor below root_pid (a node's `ray start`: Ray titles an actor's process
+    `ray::<class>`; one it killed may not have exited yet)."""
+    started = {}
+    for pid in descendants(root_pid):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(f"ray::{cls}".encode()):
+                started[pid] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        except OSError:
+            pass
+    return max(started, key=started.get) if started else None
+
+
+def kill_node(pid: int) -> None:
+    """SIGKILL a node's `ray start` (pid) and every process below it at once: a host fault (Ray's workers sit in
+    process groups of their own, so the tree is walked rather than one group signalled)."""
+    import signal
+
+    for p in [pid, *descendants(pid)]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def naming(text: str) -> list[int]:
     """The processes whose command line contains `text` (but this one)."""
     out = []

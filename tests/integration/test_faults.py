@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.services.devtools.local_nodes import descendants
+from tandem.services.devtools.local_nodes import actor_pid
 from tandem.services.orchestrator.controller import parts_state
 from tandem.services.orchestrator.epoch_record import EpochRecord
 from tests.helpers import ROOT, unmapped_semaphores
@@ -114,19 +114,6 @@ def test_errors_inside_the_actors_reach_the_user_as_one_line(ray_session, tmp_pa
     assert len(err.splitlines()) == 1 and err.startswith("tandem: ") and "Traceback" not in err, err
     log = tmp_path / "run" / "error.log"
     assert f"(traceback: {log})" in err and "Traceback" in log.read_text()
-
-
-def actor_pid(head_pid: int, cls: str) -> int | None:
-    """The process of the newest `cls` actor on the cluster (Ray titles an actor's process `ray::<class>`;
-    one it killed may not have exited yet)."""
-    started = {}
-    for pid in descendants(head_pid):
-        try:
-            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(f"ray::{cls}".encode()):
-                started[pid] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-        except OSError:
-            pass
-    return max(started, key=started.get) if started else None
 
 
 def start_cluster_run(ray_head, tmp_path: Path, tiny_model: str, reward: str, max_steps: int, cluster: dict):

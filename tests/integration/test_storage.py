@@ -2,12 +2,10 @@
 it, as to a bucket), nothing of pyarrow mocked: the run's files and checkpoints land in the bucket, a killed learner's
 job resumes from the bucket's newest checkpoint, and `tandem export` reads the adapter back from it."""
 
-import contextlib
 import json
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -15,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_faults import STEADY_REWARD, actor_pid, wait_for
+from tandem.services.devtools.local_nodes import actor_pid, kill_node
+from tests.integration.test_faults import STEADY_REWARD, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -73,7 +72,6 @@ def test_a_run_in_a_bucket_survives_the_loss_of_its_learners_node_and_exports_fr
 
     from tandem.services.devtools.local_nodes import (
         BINDIR,
-        descendants,
         join_nodes,
         start_head,
         stop,
@@ -123,9 +121,7 @@ def test_a_run_in_a_bucket_survives_the_loss_of_its_learners_node_and_exports_fr
         wait_for(running(lambda: checkpoints(s3) and learner_node() is not None), "a checkpoint in the bucket",
                  log=lambda: "".join(text))
         lost = learner_node()
-        for pid in [nodes[lost].pid, *descendants(nodes[lost].pid)]:  # the node's every process: a host fault
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_node(nodes[lost].pid)  # the node's every process: a host fault
         wait_for(running(lambda: "resumed from checkpoint: " in "".join(text) and learner_node() == 1 - lost),
                  "the learner on the other node, resumed", log=lambda: "".join(text))
         rc = p.wait(400)
